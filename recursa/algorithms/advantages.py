@@ -1,0 +1,177 @@
+"""Outcome advantage estimators for group-sampled RL (GRPO family).
+
+Every estimator maps ``rewards  # (B, G)`` -- B groups (one prompt or game seed
+each), G sampled completions per group, one scalar reward per completion -- to
+advantages of the same shape ``(B, G)``.  The advantage of a completion is later
+broadcast over all of its tokens by the loss.
+
+Notation for one group: rewards r_1..r_G, mean m = (1/G) sum_j r_j,
+unbiased std s = sqrt( sum_j (r_j - m)^2 / (G - 1) ).
+
+* ``grpo``         A_i = (r_i - m) / (s + eps)                 (Shao et al. 2024, DeepSeekMath)
+  The std is the *unbiased* one (Bessel correction, ``correction=1``), the
+  torch default and what TRL's GRPOTrainer uses.  The biased std would make
+  every advantage smaller by sqrt((G-1)/G).
+* ``dr_grpo``      A_i = r_i - m                                (Liu et al. 2025, "Dr. GRPO")
+  No division by the std, which removes the question-difficulty bias.
+* ``rloo``         A_i = r_i - (1/(G-1)) sum_{j != i} r_j = G/(G-1) * (r_i - m)
+  (Ahmadian et al. 2024, leave-one-out baseline).  Needs G >= 2.
+* ``reinforce_pp`` c_i = r_i - m  (group baseline), then
+                   A = c / (S + eps), S = unbiased std of all B*G values of c.
+  (REINFORCE++-baseline, Hu et al. 2025.)  Departure: OpenRLHF's version
+  *whitens* c over the batch, i.e. also subtracts the batch mean of c.  That
+  mean is 0 in exact arithmetic (each group's c sums to 0) but not after
+  rounding, and subtracting it would give constant groups a nonzero advantage.
+  So we only divide.  S is computed as the std around the batch mean of c
+  (``torch.std``), which equals the root mean square up to that same rounding.
+* ``gopo``         rank-based:  A_i = (rank_i - (G-1)/2) / ((G-1)/2)
+  where rank_i in {0..G-1} is the 0-based rank of r_i within its group and tied
+  rewards share their average rank:  rank_i = #{j: r_j < r_i} + (#{j: r_j = r_i} - 1)/2.
+  The mean rank is always (G-1)/2, so A sums to 0 per group; without ties A
+  spans [-1, 1] in equal steps.  Only comparisons of rewards are used, so A is
+  invariant under any strictly increasing transform of the rewards.
+
+Conventions shared by all estimators:
+
+* A group whose rewards are all equal (zero variance) has no learning signal;
+  its advantages are exactly 0.0 (forced, not left to floating-point luck).
+* A group of size G = 1 is a zero-variance group for grpo, dr_grpo,
+  reinforce_pp and gopo (advantage 0); rloo raises, since its baseline is
+  undefined.
+* Integer / bool rewards are cast to the default float dtype; rewards must be
+  finite and 2-D, otherwise ValueError.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+__all__ = [
+    "grpo",
+    "dr_grpo",
+    "rloo",
+    "reinforce_pp",
+    "gopo",
+    "ESTIMATORS",
+    "compute_advantages",
+]
+
+
+def _check_rewards(rewards: torch.Tensor) -> torch.Tensor:
+    """Validate ``rewards  # (B, G)`` and return it as a floating tensor."""
+    if not isinstance(rewards, torch.Tensor):
+        raise ValueError(
+            f"rewards must be a torch.Tensor of shape (B, G), got {type(rewards).__name__}; "
+            "wrap it with torch.as_tensor(...)"
+        )
+    if rewards.dim() != 2:
+        raise ValueError(
+            f"rewards must have shape (B, G) = (groups, samples per group), got shape "
+            f"{tuple(rewards.shape)}; for a single group use rewards.unsqueeze(0)"
+        )
+    if not rewards.is_floating_point():
+        rewards = rewards.to(torch.get_default_dtype())
+    if not bool(torch.isfinite(rewards).all()):
+        raise ValueError("rewards contain NaN or inf; clean them before computing advantages")
+    return rewards
+
+
+def _check_eps(eps: float) -> None:
+    if eps < 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+
+
+def _constant_groups(rewards: torch.Tensor) -> torch.Tensor:
+    """``(B, 1)`` bool: True where every reward in the group is identical."""
+    return (rewards.amax(dim=-1, keepdim=True) == rewards.amin(dim=-1, keepdim=True))
+
+
+def _group_centred(rewards: torch.Tensor) -> torch.Tensor:
+    """r - group mean, with constant groups set to exactly 0.  (B, G)"""
+    centred = rewards - rewards.mean(dim=-1, keepdim=True)  # (B, G)
+    return torch.where(_constant_groups(rewards), torch.zeros_like(centred), centred)
+
+
+def grpo(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """GRPO advantage (r - mean) / (unbiased std + eps), per group.  (B, G) -> (B, G)"""
+    rewards = _check_rewards(rewards)  # (B, G)
+    _check_eps(eps)
+    if rewards.shape[-1] < 2:
+        return torch.zeros_like(rewards)
+    centred = _group_centred(rewards)  # (B, G)
+    std = rewards.std(dim=-1, keepdim=True, correction=1)  # (B, 1)
+    const = _constant_groups(rewards)  # (B, 1)
+    # In constant groups std may be 0; divide by 1 there instead (centred is 0 anyway).
+    denom = torch.where(const, torch.ones_like(std), std + eps)  # (B, 1)
+    return centred / denom
+
+
+def dr_grpo(rewards: torch.Tensor) -> torch.Tensor:
+    """Dr. GRPO advantage r - group mean.  (B, G) -> (B, G)"""
+    rewards = _check_rewards(rewards)
+    return _group_centred(rewards)
+
+
+def rloo(rewards: torch.Tensor) -> torch.Tensor:
+    """Leave-one-out advantage r_i - mean_{j != i} r_j = G/(G-1) (r_i - mean).  (B, G) -> (B, G)"""
+    rewards = _check_rewards(rewards)
+    group_size = rewards.shape[-1]
+    if group_size < 2:
+        raise ValueError(
+            f"rloo needs at least 2 samples per group (G >= 2) for a leave-one-out baseline, "
+            f"got G = {group_size}; sample more completions per prompt or use another estimator"
+        )
+    return _group_centred(rewards) * (group_size / (group_size - 1))
+
+
+def reinforce_pp(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """REINFORCE++-baseline: (r - group mean) / (batch std of that + eps).  (B, G) -> (B, G)
+
+    Not re-centred over the batch (see module docstring).  If every group has
+    zero variance the result is all zeros.
+    """
+    rewards = _check_rewards(rewards)
+    _check_eps(eps)
+    centred = _group_centred(rewards)  # (B, G)
+    if centred.numel() < 2 or not bool((centred != 0).any()):
+        return torch.zeros_like(centred)
+    global_std = centred.std(correction=1)  # ()
+    return centred / (global_std + eps)
+
+
+def gopo(rewards: torch.Tensor) -> torch.Tensor:
+    """Rank advantage (rank - (G-1)/2) / ((G-1)/2), ties share average rank.  (B, G) -> (B, G)"""
+    rewards = _check_rewards(rewards)
+    group_size = rewards.shape[-1]
+    if group_size < 2:
+        return torch.zeros_like(rewards)
+    # Pairwise comparisons within each group: [b, i, j] compares r_i with r_j.
+    r_i = rewards.unsqueeze(-1)  # (B, G, 1)
+    r_j = rewards.unsqueeze(-2)  # (B, 1, G)
+    n_less = (r_j < r_i).sum(dim=-1).to(rewards.dtype)  # (B, G)
+    n_equal = (r_j == r_i).sum(dim=-1).to(rewards.dtype)  # (B, G), includes i itself
+    rank = n_less + (n_equal - 1.0) / 2.0  # (B, G), 0-based average rank
+    half_range = (group_size - 1) / 2.0
+    return (rank - half_range) / half_range
+
+
+ESTIMATORS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "grpo": grpo,
+    "dr_grpo": dr_grpo,
+    "rloo": rloo,
+    "reinforce_pp": reinforce_pp,
+    "gopo": gopo,
+}
+
+
+def compute_advantages(name: str, rewards: torch.Tensor) -> torch.Tensor:
+    """Dispatch to the estimator called ``name`` (default arguments).  (B, G) -> (B, G)"""
+    try:
+        estimator = ESTIMATORS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown advantage estimator {name!r}; valid choices are {sorted(ESTIMATORS)}"
+        ) from None
+    return estimator(rewards)

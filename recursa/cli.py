@@ -1,0 +1,272 @@
+"""Command line: `recursa train | eval | report | envs`.
+
+Bad input (an unknown config key, a wrong type, an unknown task, a missing model file)
+exits with status 2 and one line naming the problem and the fix; `--debug` shows the
+traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from recursa.errors import UserError
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(stderr=False, highlight=False)
+
+
+class _Progress:
+    """A progress bar on a terminal; silent otherwise (logs stay readable in files)."""
+
+    def __init__(self):
+        self.enabled = sys.stderr.isatty()
+        self._bars: dict[str, object] = {}
+        self._rich = None
+        if self.enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self._rich = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), transient=True)
+            self._rich.start()
+
+    def __call__(self, phase: str, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        if phase not in self._bars:
+            self._bars[phase] = self._rich.add_task(phase, total=total)
+        self._rich.update(self._bars[phase], completed=done)
+        if done >= total:
+            self._rich.remove_task(self._bars.pop(phase))
+
+    def stop(self) -> None:
+        if self._rich is not None:
+            self._rich.stop()
+
+
+def cmd_train(args) -> int:
+    from recursa.config import describe, load_config
+    from recursa.recipes.grpo import train
+    from recursa.report import write_report
+
+    if args.help_config:
+        print("\n".join(describe()))
+        return 0
+    if args.resume:
+        run_dir = Path(args.resume)
+        if not (run_dir / "config.toml").exists():
+            raise UserError(f"--resume {run_dir}: no config.toml there; pass the directory of an earlier `recursa train` run")
+        cfg = load_config(args.config or run_dir / "config.toml", args.set)
+        out = run_dir
+    else:
+        if not args.config:
+            raise UserError("recursa train needs a CONFIG file (e.g. examples/smoke.toml) or --resume RUN_DIR")
+        cfg = load_config(args.config, args.set)
+        out = Path(args.out or cfg.run.out)
+        if (out / "metrics.jsonl").exists() and not args.overwrite:
+            raise UserError(f"{out} already holds a run: continue it with --resume {out}, choose another --out, or pass --overwrite")
+        if args.overwrite and out.exists():
+            import shutil
+
+            shutil.rmtree(out)
+    console = _console()
+    progress = _Progress()
+    try:
+        train(cfg, out, resume=bool(args.resume), progress=progress, log=console.print)
+    finally:
+        progress.stop()
+    report = write_report(out)
+    console.print(f"run written to {out}; report: {report}")
+    return 0
+
+
+def _eval_source(args):
+    """(ModelConfig, weights_dir, env name, env kwargs, system prompt, max_new_tokens, stop)."""
+    from recursa.config import ModelConfig, load_config
+
+    cfg = None
+    weights = None
+    if args.run:
+        run_dir = Path(args.run)
+        if not (run_dir / "config.toml").exists():
+            raise UserError(f"--run {run_dir}: no config.toml there; pass a run directory written by `recursa train`")
+        cfg = load_config(run_dir / "config.toml", args.set)
+        ckpts = sorted((run_dir / "checkpoints").glob("step_*"))
+        ckpts = [c for c in ckpts if (c / "state.json").exists()]
+        if args.checkpoint == "last":
+            if not ckpts:
+                raise UserError(f"{run_dir} has no checkpoint yet; evaluate the base model with --config instead")
+            weights = ckpts[-1]
+        else:
+            weights = run_dir / "checkpoints" / f"step_{int(args.checkpoint):06d}"
+            if not (weights / "state.json").exists():
+                raise UserError(f"no checkpoint {weights.name} in {run_dir}; available: {[c.name for c in ckpts]}")
+    elif args.config:
+        cfg = load_config(args.config, args.set)
+    else:
+        cfg = load_config(None, args.set)
+    model_cfg = cfg.model if not args.model else ModelConfig(**{**cfg.model.model_dump(), "name": args.model})
+    env_name = args.env or cfg.env.name
+    env_kwargs = dict(cfg.env.kwargs) if not args.env else {}
+    for item in args.env_arg:
+        from recursa.config import parse_override
+
+        key, value = parse_override(item)
+        env_kwargs[".".join(key)] = value
+    max_new = args.max_new_tokens or cfg.eval.max_new_tokens or cfg.sampling.max_new_tokens
+    return cfg, model_cfg, weights, env_name, env_kwargs, max_new
+
+
+def cmd_eval(args) -> int:
+    import json
+
+    import torch
+
+    from recursa.envs import make_env
+    from recursa.evaluate import EvalResult, evaluate
+    from recursa.models import load_policy
+    from recursa.stats import paired_compare
+
+    cfg, model_cfg, weights, env_name, env_kwargs, max_new = _eval_source(args)
+    torch.set_num_threads(cfg.run.threads)
+    make_env(env_name, **env_kwargs)  # fail fast on a bad task spec
+    policy = load_policy(model_cfg, weights_dir=weights)
+    n = args.n if args.n is not None else cfg.eval.n
+    progress = _Progress()
+    try:
+        result = evaluate(
+            policy,
+            lambda: make_env(env_name, **env_kwargs),
+            env_name,
+            args.split,
+            n,
+            max_new,
+            cfg.model.system_prompt or None,
+            batch_size=cfg.eval.batch_size,
+            stop=tuple(cfg.sampling.stop),
+            label=args.label or (weights.name if weights else model_cfg.name),
+            progress=lambda d, t: progress("eval", d, t),
+        )
+    finally:
+        progress.stop()
+    from rich.table import Table
+
+    table = Table(title=f"{env_name} · {args.split} split")
+    for col in ("model", "n", "success", "95% CI", "mean reward", "seconds"):
+        table.add_column(col)
+    table.add_row(result.label, str(result.n), f"{result.success_rate:.3f}", f"[{result.ci95[0]:.3f}, {result.ci95[1]:.3f}]", f"{result.mean_reward:.3f}", f"{result.seconds:.1f}")
+    console = _console()
+    console.print(table)
+    if args.json:
+        result.save(Path(args.json))
+        console.print(f"wrote {args.json}")
+    if args.compare:
+        other = EvalResult.load(Path(args.compare))
+        before = {i.seed: i.success for i in other.items}
+        common = [i for i in result.items if i.seed in before]
+        if not common:
+            raise UserError(f"{args.compare} shares no item seeds with this evaluation: evaluate the same split and n")
+        cmp = paired_compare([before[i.seed] for i in common], [i.success for i in common])
+        console.print(
+            f"vs {args.compare}: {cmp['before_rate']:.3f} -> {cmp['after_rate']:.3f} (diff {cmp['diff']:+.3f}, "
+            f"95% CI [{cmp['diff_ci95'][0]:+.3f}, {cmp['diff_ci95'][1]:+.3f}]) on {cmp['n']} shared items; "
+            f"McNemar b={cmp['b']} c={cmp['c']} p(one-sided)={cmp['p_greater']:.3g} p(two-sided)={cmp['p_two_sided']:.3g}"
+        )
+        if args.json:
+            data = json.loads(Path(args.json).read_text())
+            data["compare"] = {"against": str(args.compare), **{k: (list(v) if isinstance(v, tuple) else v) for k, v in cmp.items()}}
+            Path(args.json).write_text(json.dumps(data, indent=1) + "\n")
+    return 0
+
+
+def cmd_report(args) -> int:
+    from recursa.report import write_report
+
+    run_dir = Path(args.run_dir)
+    if not run_dir.is_dir():
+        raise UserError(f"{run_dir} is not a directory: pass a run directory written by `recursa train`")
+    path = write_report(run_dir)
+    print(f"wrote {path}")
+    return 0
+
+
+def cmd_envs(args) -> int:
+    from recursa.envs import list_envs
+
+    for name, desc in list_envs():
+        print(f"{name:28s} {desc}")
+    if args.all:
+        try:
+            from recursa.envs.base import list_reasoning_gym_datasets
+
+            for name in list_reasoning_gym_datasets():
+                print(f"rg:{name}")
+        except UserError as exc:
+            print(exc)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="recursa", description="Recursive self-improving policy optimization for language-model agents.")
+    p.add_argument("--debug", action="store_true", help="show tracebacks for user errors")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="train a policy with a recipe config (TOML)")
+    t.add_argument("config", nargs="?", help="recipe config, e.g. examples/smoke.toml")
+    t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value, e.g. --set train.lr=1e-5 (repeatable)")
+    t.add_argument("--out", help="run directory (default: run.out from the config)")
+    t.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
+    t.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
+    t.add_argument("--help-config", action="store_true", help="list every config key with its default and meaning")
+    t.set_defaults(func=cmd_train)
+
+    e = sub.add_parser("eval", help="evaluate a model or a run's checkpoint on held-out items")
+    src = e.add_mutually_exclusive_group()
+    src.add_argument("--config", help="take model, task and eval settings from a recipe config")
+    src.add_argument("--run", help="evaluate a run's checkpoint (see --checkpoint)")
+    e.add_argument("--checkpoint", default="last", help="checkpoint step of --run, or 'last'")
+    e.add_argument("--model", help="model name or directory (overrides the config's)")
+    e.add_argument("--env", help="task spec, e.g. arithmetic or rg:basic_arithmetic (see `recursa envs`)")
+    e.add_argument("--env-arg", action="append", default=[], metavar="KEY=VALUE", help="task option, e.g. --env-arg difficulty=1")
+    e.add_argument("--split", default="test", choices=["gate", "test"], help="held-out seed range")
+    e.add_argument("--n", type=int, help="number of items (default: eval.n)")
+    e.add_argument("--max-new-tokens", type=int, help="completion cap")
+    e.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    e.add_argument("--label", help="label stored in the JSON")
+    e.add_argument("--json", help="write the evaluation as JSON to this file")
+    e.add_argument("--compare", metavar="EVAL_JSON", help="paired exact McNemar test against an earlier evaluation on the same items")
+    e.set_defaults(func=cmd_eval)
+
+    r = sub.add_parser("report", help="write report.md and plots for a run")
+    r.add_argument("run_dir")
+    r.set_defaults(func=cmd_report)
+
+    v = sub.add_parser("envs", help="list the available tasks")
+    v.add_argument("--all", action="store_true", help="also list every reasoning-gym dataset")
+    v.set_defaults(func=cmd_envs)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except UserError as exc:
+        if args.debug:
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: continue with `recursa train --resume RUN_DIR`", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

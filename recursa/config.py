@@ -1,0 +1,231 @@
+"""Typed configuration: one pydantic model per recipe, loaded from TOML.
+
+Every field is documented here and validated once at start. Unknown keys are errors
+(a typo should never be silently ignored). ``--set section.key=value`` overrides are
+parsed as TOML values (``--set train.lr=1e-5``, ``--set sampling.stop='["\\n"]'``) and
+fall back to a plain string.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from recursa.errors import UserError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TinyModelConfig(_Section):
+    """Shape of the tiny random model used by tests and smoke runs."""
+
+    hidden_size: int = Field(64, gt=0, description="width of the residual stream")
+    intermediate_size: int = Field(128, gt=0, description="MLP width")
+    num_layers: int = Field(2, gt=0, description="transformer blocks")
+    num_heads: int = Field(4, gt=0, description="attention heads")
+    num_kv_heads: int = Field(2, gt=0, description="key/value heads (grouped-query attention)")
+    max_positions: int = Field(2048, gt=0, description="maximum sequence length")
+    seed: int = Field(0, description="seed of the random initial weights")
+
+
+class LoraSettings(_Section):
+    """LoRA adapters through peft; the reference policy is the base with adapters off."""
+
+    r: int = Field(16, gt=0, description="adapter rank")
+    alpha: float = Field(32.0, gt=0, description="scaling numerator (scale = alpha / r)")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter input")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        description="module names that get adapters",
+    )
+
+
+class ModelConfig(_Section):
+    name: str = Field("smollm2-135m-instruct", description="'smollm2-135m-instruct' (embedded), 'tiny-random', a local HF directory or a hub id")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="parameter dtype (float32 on CPU)")
+    lora: LoraSettings | None = Field(None, description="set a [model.lora] table to train LoRA adapters instead of all weights")
+    tiny: TinyModelConfig = Field(default_factory=TinyModelConfig, description="shape of 'tiny-random'")
+    system_prompt: str | None = Field("You are a helpful assistant.", description="system message for every prompt; empty string for none")
+
+
+class EnvConfig(_Section):
+    name: str = Field("arithmetic", description="task spec: 'arithmetic' or 'rg:<reasoning-gym dataset>' (see `recursa envs`)")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="task options, e.g. {difficulty = 0}")
+
+
+class SamplingConfig(_Section):
+    temperature: float = Field(1.0, ge=0, description="sampling temperature for training rollouts (the trainer divides logits by it too)")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass")
+    max_new_tokens: int = Field(16, gt=0, description="completion length cap")
+    stop: list[str] = Field(default_factory=list, description="stop strings (the token completing one is kept)")
+
+
+class AlgoConfig(_Section):
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gopo"] = Field("grpo", description="outcome advantage estimator")
+    clip_low: float = Field(0.2, gt=0, lt=1, description="PPO ratio lower clip: 1 - clip_low")
+    clip_high: float = Field(0.28, gt=0, description="PPO ratio upper clip: 1 + clip_high (asymmetric 'clip-higher')")
+    dual_clip: float | None = Field(None, gt=1, description="dual-clip constant c > 1 for negative advantages; None disables")
+    agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field("token-mean", description="loss aggregation")
+    kl_coef: float = Field(0.0, ge=0, description="weight of the KL-to-reference penalty in the loss (0 = off, no reference kept)")
+    kl_estimator: Literal["k1", "k3"] = Field("k3", description="per-token KL estimator")
+
+
+class TrainConfig(_Section):
+    steps: int = Field(10, ge=0, description="training steps (rollout + update)")
+    prompts_per_step: int = Field(8, gt=0, description="B: distinct tasks per step")
+    group_size: int = Field(8, ge=2, description="G: samples per task (the advantage group)")
+    epochs: int = Field(1, gt=0, description="optimisation passes over each rollout batch")
+    mini_batches: int = Field(1, gt=0, description="optimizer steps per epoch (the batch is split into this many)")
+    micro_batch_size: int = Field(16, gt=0, description="sequences per forward/backward (gradient accumulation)")
+    lr: float = Field(1e-5, gt=0, description="AdamW learning rate")
+    warmup_steps: int = Field(0, ge=0, description="linear warm-up of the learning rate, in optimizer steps")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
+    max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping by global norm")
+    old_logprobs: Literal["recompute", "sampling"] = Field(
+        "recompute",
+        description="old log-probs for the PPO ratio: recomputed by the trainer (free when there is one optimizer step per batch) or the sampler's",
+    )
+    logit_chunk: int = Field(512, gt=0, description="positions per chunk of the vocabulary projection")
+    seed: int = Field(0, description="seed for task order, sampling and shuffling")
+
+
+class EvalConfig(_Section):
+    split: Literal["gate", "test"] = Field("test", description="held-out seed range")
+    n: int = Field(200, ge=0, description="held-out items (greedy decoding)")
+    every: int = Field(0, ge=0, description="evaluate every N steps (0 = only before and after)")
+    before: bool = Field(True, description="evaluate before training (eval/before.json)")
+    after: bool = Field(True, description="evaluate after training (eval/after.json)")
+    batch_size: int = Field(64, gt=0, description="prompts per generation batch")
+    max_new_tokens: int | None = Field(None, gt=0, description="completion cap; defaults to sampling.max_new_tokens")
+
+
+class RunConfig(_Section):
+    out: str = Field("runs/grpo", description="run directory (overridden by --out)")
+    checkpoint_every: int = Field(0, ge=0, description="save a checkpoint every N steps (0 = only at the end)")
+    log_samples: int = Field(4, ge=0, description="sample completions written to samples.jsonl per step")
+    threads: int = Field(2, gt=0, description="torch CPU threads")
+    tensorboard: bool = Field(False, description="also write TensorBoard event files (needs tensorboard)")
+
+
+class GRPOConfig(_Section):
+    """The GRPO-family recipe (`recursa/recipes/grpo.py`)."""
+
+    recipe: Literal["grpo"] = "grpo"
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    algo: AlgoConfig = Field(default_factory=AlgoConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    run: RunConfig = Field(default_factory=RunConfig)
+
+    @model_validator(mode="after")
+    def _check(self) -> "GRPOConfig":
+        n = self.train.prompts_per_step * self.train.group_size
+        if n % self.train.mini_batches:
+            raise ValueError(f"train.prompts_per_step * train.group_size = {n} must be divisible by train.mini_batches = {self.train.mini_batches}")
+        if self.algo.agg == "seq-mean-token-sum-norm" and self.sampling.max_new_tokens <= 0:
+            raise ValueError("seq-mean-token-sum-norm needs sampling.max_new_tokens > 0")
+        if self.sampling.temperature == 0:
+            raise ValueError("sampling.temperature must be > 0 for training (greedy rollouts give no exploration)")
+        return self
+
+
+RECIPES: dict[str, type[BaseModel]] = {"grpo": GRPOConfig}
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """'train.lr=1e-5' -> (['train', 'lr'], 1e-05); values are TOML, else strings."""
+    if "=" not in item:
+        raise UserError(f"--set {item!r}: expected section.key=value, e.g. --set train.lr=1e-5")
+    key, raw = item.split("=", 1)
+    path = [p for p in key.strip().split(".") if p]
+    if not path:
+        raise UserError(f"--set {item!r}: empty key")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return path, value
+
+
+def _set_path(data: dict, path: list[str], value: Any) -> None:
+    node = data
+    for part in path[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise UserError(f"--set {'.'.join(path)}: {part} is not a section")
+    node[path[-1]] = value
+
+
+def _format_validation(exc: ValidationError, source: str) -> str:
+    err = exc.errors()[0]
+    loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+    msg = err["msg"]
+    if err["type"] == "extra_forbidden":
+        return f"{source}: unknown key {loc!r}: remove it or check the spelling (see `recursa train --help-config`)"
+    got = f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], dict) else ""
+    more = f" [+{len(exc.errors()) - 1} more]" if len(exc.errors()) > 1 else ""
+    return f"{source}: {loc}: {msg}{got}; fix it in the file or with --set {loc}=...{more}"
+
+
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> GRPOConfig:
+    """Read a TOML config, apply --set overrides, validate once."""
+    data: dict[str, Any] = {}
+    source = "config"
+    if path is not None:
+        p = Path(path)
+        if not p.exists():
+            raise UserError(f"config file {p} not found: pass a TOML file such as examples/smoke.toml")
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise UserError(f"{p}: not valid TOML ({exc})") from None
+        source = str(p)
+    for item in overrides:
+        key_path, value = parse_override(item)
+        _set_path(data, key_path, value)
+    recipe = data.get("recipe", "grpo")
+    if recipe not in RECIPES:
+        raise UserError(f"{source}: unknown recipe {recipe!r}; choose one of {sorted(RECIPES)}")
+    try:
+        return RECIPES[recipe].model_validate(data)
+    except ValidationError as exc:
+        raise UserError(_format_validation(exc, source)) from None
+
+
+def _drop_none(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _drop_none(v) for k, v in obj.items() if v is not None}
+    if isinstance(obj, (list, tuple)):
+        return [_drop_none(v) for v in obj]
+    return obj
+
+
+def dump_config(cfg: BaseModel) -> str:
+    """The resolved config as TOML (None values omitted: they are the defaults)."""
+    import tomli_w
+
+    return tomli_w.dumps(_drop_none(cfg.model_dump(mode="json")))
+
+
+def describe(model: type[BaseModel] = GRPOConfig, prefix: str = "") -> list[str]:
+    """One line per field: dotted key, default, description (for --help-config)."""
+    lines = []
+    for name, field in model.model_fields.items():
+        ann = field.annotation
+        key = f"{prefix}{name}"
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            lines.extend(describe(ann, key + "."))
+            continue
+        default = field.get_default(call_default_factory=True)
+        if isinstance(default, BaseModel):
+            default = "{...}"
+        lines.append(f"{key} = {default!r}  # {field.description or ''}")
+    return lines

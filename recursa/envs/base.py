@@ -1,0 +1,231 @@
+"""The environment protocol, seed splits, the env registry and answer-extraction helpers.
+
+An environment hands out one episode per integer seed: `reset(seed)` returns the first
+observation (for single-turn tasks, the user message) and `step(action_text)` scores the
+model's reply. An item is a pure function of the env's configuration and the seed, so a
+seed names a task item forever.
+
+Seeds are split into disjoint ranges so training never sees a held-out item:
+
+    train: [0, 1e9)      gate: [1e9, 2e9)      test: [2e9, 3e9)
+
+`split_seed("gate", 5)` is the sixth gate item; `split_of(seed)` recovers the split.
+
+Specs understood by `make_env`:
+
+    arithmetic            the built-in arithmetic env (recursa.envs.arithmetic)
+    rg:<dataset>          a reasoning-gym dataset, e.g. rg:basic_arithmetic
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
+from typing import Any, Protocol, runtime_checkable
+
+from recursa.errors import UserError
+
+__all__ = [
+    "SPLITS",
+    "SPLIT_SIZE",
+    "Env",
+    "StepResult",
+    "extract_answer",
+    "last_number",
+    "list_envs",
+    "list_reasoning_gym_datasets",
+    "make_env",
+    "split_of",
+    "split_seed",
+    "split_seeds",
+    "system_prompt_of",
+]
+
+
+@dataclass
+class StepResult:
+    """What one `Env.step` returns.
+
+    `info` always holds: success (bool), answer (str, the reference answer), parsed
+    (str | None, what was read from the reply), note (str, "" unless something went wrong).
+    """
+
+    obs: str
+    reward: float
+    done: bool
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Env(Protocol):
+    """A (possibly multi-turn) text environment.
+
+    Implementations may also set `system_prompt: str | None`, the system message the
+    rollout should use (None: the rollout's short default); read it with
+    `system_prompt_of(env)`. Single-turn tasks end on the first step (done=True).
+    """
+
+    name: str
+
+    def reset(self, seed: int) -> str:
+        """Start the episode for `seed`; return the first observation."""
+        ...
+
+    def step(self, action_text: str) -> StepResult:
+        """Apply the model's reply; return the next observation, reward and done flag."""
+        ...
+
+
+def system_prompt_of(env: Any) -> str | None:
+    """The env's `system_prompt` attribute, or None when it has none."""
+    value = getattr(env, "system_prompt", None)
+    return value if isinstance(value, str) else None
+
+
+# ---------------------------------------------------------------------------- seed splits
+
+SPLITS: tuple[str, ...] = ("train", "gate", "test")
+SPLIT_SIZE = 1_000_000_000
+_SPLIT_BASE = {name: i * SPLIT_SIZE for i, name in enumerate(SPLITS)}
+
+
+def _check_split(split: str) -> int:
+    if split not in _SPLIT_BASE:
+        raise UserError(f"unknown split {split!r}; choose one of: {', '.join(SPLITS)}")
+    return _SPLIT_BASE[split]
+
+
+def split_seed(split: str, index: int) -> int:
+    """The seed of item `index` of `split` (train: index, gate: 1e9 + index, test: 2e9 + index)."""
+    base = _check_split(split)
+    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < SPLIT_SIZE:
+        raise UserError(f"split index must be an int in [0, {SPLIT_SIZE}), got {index!r}")
+    return base + index
+
+
+def split_seeds(split: str, n: int, start: int = 0) -> list[int]:
+    """Seeds of items start .. start+n-1 of `split`."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise UserError(f"number of seeds must be a non-negative int, got {n!r}")
+    if n == 0:
+        _check_split(split)
+        return []
+    first = split_seed(split, start)
+    split_seed(split, start + n - 1)  # validates the end of the range
+    return list(range(first, first + n))
+
+
+def split_of(seed: int) -> str:
+    """The split a seed belongs to (the inverse of `split_seed`)."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < len(SPLITS) * SPLIT_SIZE:
+        raise UserError(
+            f"seed {seed!r} is outside every split; seeds are ints in [0, {len(SPLITS) * SPLIT_SIZE})"
+        )
+    return SPLITS[seed // SPLIT_SIZE]
+
+
+# ------------------------------------------------------------------------- answer parsing
+
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
+# A number: optional minus (not when glued to a preceding word/digit, so "5-3" reads 3),
+# then thousands-grouped digits or plain digits, then an optional decimal part.
+_NUMBER = re.compile(r"(?:(?<![\w.])-)?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?![\d])|(?:(?<![\w.])-)?\.\d+")
+
+
+def extract_answer(text: str) -> str | None:
+    """The stripped content of the last <answer>...</answer> tag in `text`, or None."""
+    matches = _ANSWER_TAG.findall(text or "")
+    return matches[-1].strip() if matches else None
+
+
+def normalise_number(text: str) -> str | None:
+    """Canonical form of a number string ("1,000" -> "1000", "-0" -> "0", "2.50" -> "2.5")."""
+    cleaned = text.strip().replace(",", "")
+    if cleaned.startswith("+"):
+        cleaned = cleaned[1:]
+    try:
+        value = Decimal(cleaned)
+    except InvalidOperation:
+        return None
+    if not value.is_finite():
+        return None
+    if value == 0:
+        return "0"
+    if value == value.to_integral_value():
+        return str(int(value))
+    return format(value.normalize(), "f")
+
+
+def last_number(text: str) -> str | None:
+    """The last integer or decimal in `text`, normalised (see `normalise_number`), or None."""
+    matches = _NUMBER.findall(text or "")
+    for match in reversed(matches):
+        value = normalise_number(match)
+        if value is not None:
+            return value
+    return None
+
+
+# ------------------------------------------------------------------------------- registry
+
+_BUILTINS: dict[str, str] = {
+    "arithmetic": "built-in arithmetic; kwargs: difficulty=0..4, answer_format=last_number|tag|exact",
+}
+_RG_PREFIX = "rg:"
+
+
+def _reasoning_gym_available() -> bool:
+    try:
+        import reasoning_gym  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def list_reasoning_gym_datasets() -> list[str]:
+    """All reasoning-gym dataset names (sorted); [] when reasoning-gym is not installed."""
+    if not _reasoning_gym_available():
+        return []
+    from recursa.envs.reasoning_gym import dataset_names
+
+    return dataset_names()
+
+
+def list_envs() -> list[tuple[str, str]]:
+    """(spec, one-line description) for every env family `make_env` understands."""
+    rows = list(_BUILTINS.items())
+    names = list_reasoning_gym_datasets()
+    if names:
+        rows.append(
+            (
+                "rg:<name>",
+                f"reasoning-gym procedural datasets ({len(names)} available, e.g. rg:basic_arithmetic); "
+                "kwargs go to the dataset config",
+            )
+        )
+    else:
+        rows.append(("rg:<name>", "reasoning-gym datasets (not installed: pip install 'recursa[envs]')"))
+    return rows
+
+
+def make_env(spec: str, **kwargs: Any) -> Env:
+    """Build the env named by `spec` ("arithmetic" or "rg:<dataset>") with `kwargs`."""
+    if not isinstance(spec, str):
+        raise UserError(f"env spec must be a string like 'arithmetic' or 'rg:basic_arithmetic', got {spec!r}")
+    spec = spec.strip()
+    if spec == "arithmetic":
+        from recursa.envs.arithmetic import ArithmeticEnv
+
+        return ArithmeticEnv(**kwargs)
+    if spec.startswith(_RG_PREFIX):
+        if not _reasoning_gym_available():
+            raise UserError(f"env {spec!r} needs reasoning-gym; install it with: pip install 'recursa[envs]'")
+        from recursa.envs.reasoning_gym import ReasoningGymEnv
+
+        return ReasoningGymEnv(spec[len(_RG_PREFIX) :].strip(), **kwargs)
+    known = list(_BUILTINS) + ["rg:<dataset>"]
+    close = difflib.get_close_matches(spec, list(_BUILTINS), n=3, cutoff=0.6)
+    hint = f" (did you mean {', '.join(close)}?)" if close else ""
+    raise UserError(f"unknown env {spec!r}{hint}; known: {', '.join(known)}; run `recursa envs` to list them")

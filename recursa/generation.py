@@ -1,0 +1,234 @@
+"""Batched sampling with a KV cache, and the trainer's log-probabilities.
+
+`generate` takes tokenized prompts (token-in) and returns the sampled token ids with the
+sampler's log-probabilities (token-out), so the trainer scores exactly what was sampled.
+
+How it does less work than a generic `model.generate`:
+
+* each distinct prompt is prefilled once; its KV cache is then repeated for the
+  `n` samples of the group (the G samples of GRPO share the whole prompt);
+* the vocabulary projection runs only at the last position of each step;
+* sequences that finish (EOS or a stop string) leave the batch: their rows are dropped
+  from the cache, so later steps compute only live sequences.
+
+Prompts are left-padded; position ids count real tokens only, so a padded prompt sees
+the same positions as an unpadded one.
+
+Log-probabilities are those of the temperature-scaled policy, log softmax(z / T), over
+the full vocabulary (top-p truncation is a sampling device, not part of the policy); the
+trainer divides logits by the same T, as verl does. Greedy decoding (T = 0) reports
+log softmax(z).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 16
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+
+
+@dataclass
+class Sample:
+    prompt_index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "eos" | "stop" | "length"
+
+
+@dataclass
+class GenerationStats:
+    prefill_tokens: int = 0
+    decode_tokens: int = 0  # token positions run through the model while decoding
+    generated_tokens: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def _cache_kwarg(module: torch.nn.Module) -> str:
+    params = inspect.signature(module.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _new_cache(config):
+    from transformers import DynamicCache
+
+    try:
+        return DynamicCache(config=config)
+    except TypeError:  # older transformers
+        return DynamicCache()
+
+
+def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask), both (B, P), padded on the left."""
+    length = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), length), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), length), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, length - len(p) :] = torch.tensor(p, dtype=torch.long)
+        mask[i, length - len(p) :] = 1
+    return ids, mask
+
+
+def _sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits (N, V) -> (token (N,), logprob (N,))."""
+    if params.temperature == 0:
+        logp = F.log_softmax(logits.float(), dim=-1)
+        token = logp.argmax(dim=-1)
+        return token, logp.gather(-1, token[:, None]).squeeze(-1)
+    logp = F.log_softmax(logits.float() / params.temperature, dim=-1)
+    probs = logp.exp()
+    if params.top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        keep = sorted_p.cumsum(-1) - sorted_p < params.top_p  # always keeps the top token
+        sorted_p = sorted_p * keep
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+    token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return token, logp.gather(-1, token[:, None]).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(
+    causal_lm: torch.nn.Module,
+    tokenizer,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    n: int = 1,
+    generator: torch.Generator | None = None,
+    stats: GenerationStats | None = None,
+) -> list[Sample]:
+    """Sample `n` completions for each prompt; returns len(prompts) * n samples, grouped
+    by prompt (sample k of prompt i is at index i * n + k)."""
+    was_training = causal_lm.training
+    causal_lm.eval()
+    base, lm_head = causal_lm.get_decoder(), causal_lm.get_output_embeddings()
+    cache_kw = _cache_kwarg(base)
+    eos_ids = _eos_ids(tokenizer, causal_lm)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos_ids))
+
+    ids, mask = left_pad(prompts, pad_id)  # (B, P)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    cache = _new_cache(causal_lm.config)
+    out = base(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **{cache_kw: cache})  # fills `cache` in place
+    last = lm_head(out.last_hidden_state[:, -1])  # (B, V)
+    if stats is not None:
+        stats.prefill_tokens += int(mask.sum())
+
+    if n > 1:  # share the prefill across the group
+        cache.batch_repeat_interleave(n)
+        last = last.repeat_interleave(n, dim=0)
+        mask = mask.repeat_interleave(n, dim=0)
+        positions = positions.repeat_interleave(n, dim=0)
+    total = len(prompts) * n
+    next_pos = positions[:, -1] + 1  # (N,)
+    tokens: list[list[int]] = [[] for _ in range(total)]
+    logps: list[list[float]] = [[] for _ in range(total)]
+    finish = ["length"] * total
+    live = torch.arange(total)  # rows of the cache -> sample index
+    stop_window = max((len(s) for s in params.stop), default=0)
+
+    for step in range(params.max_new_tokens):
+        token, logp = _sample_next(last, params, generator)
+        keep = []
+        for row, (i, t, lp) in enumerate(zip(live.tolist(), token.tolist(), logp.tolist())):
+            tokens[i].append(t)
+            logps[i].append(lp)
+            if t in eos_ids:
+                finish[i] = "eos"
+            elif params.stop and _hits_stop(tokenizer, tokens[i], params.stop, stop_window):
+                finish[i] = "stop"
+            else:
+                keep.append(row)
+        if stats is not None:
+            stats.generated_tokens += len(live)
+        if not keep or step == params.max_new_tokens - 1:
+            break
+        if len(keep) < len(live):
+            sel = torch.tensor(keep, dtype=torch.long)
+            cache.batch_select_indices(sel)
+            live, token, mask, next_pos = live[sel], token[sel], mask[sel], next_pos[sel]
+        mask = torch.cat([mask, torch.ones((len(live), 1), dtype=mask.dtype)], dim=1)
+        out = base(
+            input_ids=token[:, None],
+            attention_mask=mask,
+            position_ids=next_pos[:, None],
+            use_cache=True,
+            **{cache_kw: cache},
+        )
+        last = lm_head(out.last_hidden_state[:, -1])
+        next_pos = next_pos + 1
+        if stats is not None:
+            stats.decode_tokens += len(live)
+
+    if was_training:
+        causal_lm.train()
+    return [Sample(i // n, tokens[i], logps[i], finish[i]) for i in range(total)]
+
+
+def _eos_ids(tokenizer, causal_lm) -> set[int]:
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    cfg_eos = getattr(getattr(causal_lm, "generation_config", None), "eos_token_id", None)
+    if isinstance(cfg_eos, int):
+        ids.add(cfg_eos)
+    elif isinstance(cfg_eos, (list, tuple)):
+        ids.update(int(x) for x in cfg_eos)
+    return ids
+
+
+def _hits_stop(tokenizer, token_ids: list[int], stops: tuple[str, ...], window: int) -> bool:
+    # Decode only a short tail: a stop string of k characters spans at most k tokens.
+    tail = tokenizer.decode(token_ids[-(window + 1) :], skip_special_tokens=False)
+    return any(s in tail for s in stops)
+
+
+def sequence_logprobs(
+    causal_lm: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    action_mask: torch.Tensor,
+    temperature: float = 1.0,
+    chunk: int = 512,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probabilities of the action tokens under the (temperature-scaled) policy.
+
+    input_ids, attention_mask, action_mask: (N, L), right-padded. Returns
+    `logp  # (N, L)` with log pi(token_t | tokens_<t) at action positions and 0 elsewhere,
+    and optionally the policy entropy at the same positions (detached, for logging).
+    The vocabulary projection and log-softmax run only at the positions that predict an
+    action token, `chunk` positions at a time: never an (N, L, V) tensor.
+    """
+    base, lm_head = causal_lm.get_decoder(), causal_lm.get_output_embeddings()
+    hidden = base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state  # (N, L, H)
+    targets = action_mask[:, 1:].bool()  # (N, L-1): position t-1 predicts token t
+    rows, cols = targets.nonzero(as_tuple=True)
+    h = hidden[:, :-1][rows, cols]  # (K, H)
+    next_tokens = input_ids[:, 1:][rows, cols]  # (K,)
+    scale = 1.0 / temperature if temperature > 0 else 1.0
+    pieces, ents = [], []
+    for s in range(0, h.shape[0], chunk):
+        logits = lm_head(h[s : s + chunk]).float() * scale  # (k, V)
+        logp_all = F.log_softmax(logits, dim=-1)
+        pieces.append(logp_all.gather(-1, next_tokens[s : s + chunk, None]).squeeze(-1))
+        if with_entropy:
+            with torch.no_grad():
+                ents.append(-(logp_all.exp() * logp_all).sum(-1))
+    flat = torch.cat(pieces) if pieces else hidden.new_zeros(0)
+    logp = hidden.new_zeros(input_ids.shape, dtype=torch.float32)
+    logp = logp.index_put((rows, cols + 1), flat)
+    entropy = None
+    if with_entropy:
+        entropy = torch.zeros(input_ids.shape, dtype=torch.float32)
+        if ents:
+            entropy[rows, cols + 1] = torch.cat(ents)
+    return logp, entropy

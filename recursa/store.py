@@ -1,0 +1,163 @@
+"""The run directory: config, metrics, samples, checkpoints and the SQLite ledger.
+
+```
+RUN_DIR/
+  config.toml          resolved config (every default written out)
+  metrics.jsonl        one JSON object per line, {"step": k, "reward/mean": ..., ...}
+  samples.jsonl        a few completions per step
+  eval/*.json          held-out evaluations (before.json, after.json, step_0010.json, ...)
+  checkpoints/step_000010/
+      model.safetensors | adapter_model.safetensors   weights (adapters only under LoRA)
+      optimizer.pt     AdamW state
+      state.json       step, optimizer steps, torch RNG state
+  ledger.sqlite        evaluations and checkpoints (the source of truth for what was kept)
+  report.md, plots/    written by `recursa report`
+```
+
+Step numbers count completed training steps: metrics of the first step carry step 1,
+an evaluation before training carries step 0, and a checkpoint at step k holds the state
+after k steps. Resuming from step k drops every log line with a larger step, so a resumed
+run's logs equal an uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sqlite3
+import time
+from pathlib import Path
+
+import torch
+
+from recursa.errors import UserError
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS evaluations (
+  id INTEGER PRIMARY KEY, step INTEGER, label TEXT, env TEXT, split TEXT, n INTEGER,
+  success_rate REAL, ci_lo REAL, ci_hi REAL, mean_reward REAL, path TEXT, created REAL
+);
+CREATE TABLE IF NOT EXISTS checkpoints (
+  step INTEGER PRIMARY KEY, path TEXT, created REAL
+);
+"""
+
+
+class NullLogger:
+    def log(self, step: int, metrics: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class TensorBoardLogger:
+    def __init__(self, directory: Path):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise UserError("run.tensorboard = true needs the tensorboard package: pip install tensorboard") from None
+        self.writer = SummaryWriter(str(directory))
+
+    def log(self, step: int, metrics: dict) -> None:
+        for k, v in metrics.items():
+            if isinstance(v, (int, float)) and k != "step":
+                self.writer.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class RunStore:
+    def __init__(self, path: Path, tensorboard: bool = False):
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        (self.path / "eval").mkdir(exist_ok=True)
+        self.metrics_path = self.path / "metrics.jsonl"
+        self.samples_path = self.path / "samples.jsonl"
+        self.db = sqlite3.connect(self.path / "ledger.sqlite")
+        self.db.executescript(_SCHEMA)
+        self.logger = TensorBoardLogger(self.path / "tb") if tensorboard else NullLogger()
+
+    # ---- logs -------------------------------------------------------------------
+    def log_metrics(self, step: int, metrics: dict) -> None:
+        row = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        self.logger.log(step, metrics)
+
+    def log_samples(self, step: int, samples: list[dict]) -> None:
+        with self.samples_path.open("a") as f:
+            for s in samples:
+                f.write(json.dumps({"step": step, **s}) + "\n")
+
+    def read_metrics(self) -> list[dict]:
+        if not self.metrics_path.exists():
+            return []
+        return [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()]
+
+    def truncate_after(self, step: int) -> None:
+        """Drop every log line and ledger row with a step greater than `step`."""
+        for path in (self.metrics_path, self.samples_path):
+            if path.exists():
+                kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+                path.write_text("".join(line + "\n" for line in kept))
+        self.db.execute("DELETE FROM evaluations WHERE step > ?", (step,))
+        self.db.execute("DELETE FROM checkpoints WHERE step > ?", (step,))
+        self.db.commit()
+
+    def record_eval(self, step: int, label: str, result, path: Path) -> None:
+        self.db.execute(
+            "INSERT INTO evaluations (step, label, env, split, n, success_rate, ci_lo, ci_hi, mean_reward, path, created)"
+            " VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+            (step, label, result.env, result.split, result.n, result.success_rate, result.ci95[0], result.ci95[1], result.mean_reward, str(path.relative_to(self.path)), time.time()),
+        )
+        self.db.commit()
+
+    # ---- checkpoints ------------------------------------------------------------
+    def checkpoint_dir(self, step: int) -> Path:
+        return self.path / "checkpoints" / f"step_{step:06d}"
+
+    def save_checkpoint(self, step: int, policy, optimizer: torch.optim.Optimizer, state: dict) -> Path:
+        from recursa.models import save_weights
+
+        final = self.checkpoint_dir(step)
+        tmp = final.with_name(final.name + ".tmp")
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        save_weights(policy, tmp)
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save({"torch_rng": torch.get_rng_state()}, tmp / "rng.pt")
+        (tmp / "state.json").write_text(json.dumps({"step": step, **state}, indent=1))
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)  # a checkpoint is either complete or absent
+        self.db.execute("INSERT OR REPLACE INTO checkpoints (step, path, created) VALUES (?,?,?)", (step, str(final.relative_to(self.path)), time.time()))
+        self.db.commit()
+        return final
+
+    def latest_checkpoint(self) -> Path | None:
+        root = self.path / "checkpoints"
+        if not root.exists():
+            return None
+        done = sorted(p for p in root.glob("step_*") if not p.name.endswith(".tmp") and (p / "state.json").exists())
+        return done[-1] if done else None
+
+    @staticmethod
+    def load_state(ckpt: Path, optimizer: torch.optim.Optimizer | None) -> dict:
+        state = json.loads((ckpt / "state.json").read_text())
+        if optimizer is not None:
+            optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=True))
+        rng = torch.load(ckpt / "rng.pt", weights_only=False)
+        torch.set_rng_state(rng["torch_rng"])
+        return state
+
+    def close(self) -> None:
+        self.logger.close()
+        self.db.close()
+
+
+def _jsonable(v):
+    if isinstance(v, torch.Tensor):
+        return v.item()
+    return v

@@ -1,0 +1,93 @@
+"""Trajectories and training batches.
+
+A `Trajectory` is one episode as the trainer sees it: the exact token ids the model read
+and wrote (never re-tokenized text), a mask of the policy's own action tokens, and the
+sampler's log-probability of each action token. Single-turn tasks are the special case
+of one prompt span followed by one action span; multi-turn episodes interleave them.
+
+Per-token lists are aligned to `token_ids`: position t holds information about token t
+(its log-probability given tokens < t). Position 0 is never an action.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Trajectory:
+    env: str
+    seed: int
+    group: int  # index of the advantage group (same task seed) within the step
+    token_ids: list[int]
+    action_mask: list[int]  # 1 where the policy produced the token
+    sample_logprobs: list[float]  # sampler log-prob of each action token, 0.0 elsewhere
+    reward: float
+    success: bool
+    completion_text: str = ""
+    prompt_text: str = ""
+    finish_reason: str = ""
+    info: dict = field(default_factory=dict)
+
+    @property
+    def num_action_tokens(self) -> int:
+        return int(sum(self.action_mask))
+
+    def __post_init__(self) -> None:
+        n = len(self.token_ids)
+        if len(self.action_mask) != n or len(self.sample_logprobs) != n:
+            raise ValueError("token_ids, action_mask and sample_logprobs must have the same length")
+        if n and self.action_mask[0]:
+            raise ValueError("the first token cannot be an action (it has no context)")
+
+
+@dataclass
+class TrainBatch:
+    """Right-padded tensors for the update; N sequences of length L."""
+
+    input_ids: torch.Tensor  # (N, L) long
+    attention_mask: torch.Tensor  # (N, L) long, 1 on real tokens
+    action_mask: torch.Tensor  # (N, L) float, 1 on action tokens
+    sample_logprobs: torch.Tensor  # (N, L) float, sampler log-probs on action tokens
+    advantages: torch.Tensor  # (N,) float, outcome advantage per sequence
+    rewards: torch.Tensor  # (N,) float
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.action_mask.sum().item())
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, idx: torch.Tensor | list[int]) -> "TrainBatch":
+        """Rows `idx`, trimmed to the longest selected sequence."""
+        idx = torch.as_tensor(idx, dtype=torch.long)
+        length = int(self.attention_mask[idx].sum(dim=1).max().item())
+        return TrainBatch(
+            input_ids=self.input_ids[idx, :length],
+            attention_mask=self.attention_mask[idx, :length],
+            action_mask=self.action_mask[idx, :length],
+            sample_logprobs=self.sample_logprobs[idx, :length],
+            advantages=self.advantages[idx],
+            rewards=self.rewards[idx],
+        )
+
+
+def collate(trajectories: list[Trajectory], advantages: torch.Tensor, pad_id: int) -> TrainBatch:
+    """Stack trajectories into right-padded tensors; `advantages  # (N,)` in the same order."""
+    n = len(trajectories)
+    length = max(len(t.token_ids) for t in trajectories)
+    input_ids = torch.full((n, length), pad_id, dtype=torch.long)
+    attention = torch.zeros((n, length), dtype=torch.long)
+    action = torch.zeros((n, length), dtype=torch.float32)
+    logp = torch.zeros((n, length), dtype=torch.float32)
+    for i, t in enumerate(trajectories):
+        k = len(t.token_ids)
+        input_ids[i, :k] = torch.tensor(t.token_ids, dtype=torch.long)
+        attention[i, :k] = 1
+        action[i, :k] = torch.tensor(t.action_mask, dtype=torch.float32)
+        logp[i, :k] = torch.tensor(t.sample_logprobs, dtype=torch.float32)
+    rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
+    return TrainBatch(input_ids, attention, action, logp, advantages.reshape(-1).to(torch.float32), rewards)
