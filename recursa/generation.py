@@ -78,20 +78,26 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch
     return ids, mask
 
 
-def _sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits (N, V) -> (token (N,), logprob (N,))."""
+def _sample_next(logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits (N, V), uniforms (N, V) in [0, 1) -> (token (N,), logprob (N,)).
+
+    Sampling is the Gumbel-max trick on the (top-p truncated) distribution, driven by
+    uniforms drawn for every sample of the batch at every step, so what one sample draws
+    never depends on which other samples are still running.
+    """
+    logp = F.log_softmax(logits.float() / (params.temperature or 1.0), dim=-1)
     if params.temperature == 0:
-        logp = F.log_softmax(logits.float(), dim=-1)
         token = logp.argmax(dim=-1)
         return token, logp.gather(-1, token[:, None]).squeeze(-1)
-    logp = F.log_softmax(logits.float() / params.temperature, dim=-1)
-    probs = logp.exp()
+    scores = logp
     if params.top_p < 1.0:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        keep = sorted_p.cumsum(-1) - sorted_p < params.top_p  # always keeps the top token
-        sorted_p = sorted_p * keep
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-    token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        sorted_logp, order = logp.sort(dim=-1, descending=True)
+        sorted_p = sorted_logp.exp()
+        drop_sorted = sorted_p.cumsum(-1) - sorted_p >= params.top_p  # never drops the top token
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        scores = logp.masked_fill(drop, float("-inf"))
+    gumbel = -torch.log(-torch.log(uniforms.clamp_min(1e-20)))
+    token = (scores + gumbel).argmax(dim=-1)
     return token, logp.gather(-1, token[:, None]).squeeze(-1)
 
 
@@ -135,8 +141,12 @@ def generate(
     live = torch.arange(total)  # rows of the cache -> sample index
     stop_window = max((len(s) for s in params.stop), default=0)
 
+    vocab = last.shape[-1]
     for step in range(params.max_new_tokens):
-        token, logp = _sample_next(last, params, generator)
+        uniforms = None
+        if params.temperature > 0:  # one row per sample, live or not: draws stay aligned
+            uniforms = torch.rand((total, vocab), generator=generator)[live]
+        token, logp = _sample_next(last, params, uniforms)
         keep = []
         for row, (i, t, lp) in enumerate(zip(live.tolist(), token.tolist(), logp.tolist())):
             tokens[i].append(t)

@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from recursa.envs.base import Env
+from recursa.envs.base import Env, system_prompt_of
 from recursa.generation import GenerationStats, SamplingParams, generate
 from recursa.models import Policy
 from recursa.trajectory import Trajectory
@@ -54,11 +54,12 @@ def rollout(
     batch_size: int | None = None,
 ) -> RolloutResult:
     """Run `group_size` single-turn episodes for each seed; prompts are generated in
-    batches of `batch_size` distinct seeds (all at once by default)."""
+    batches of `batch_size` distinct seeds (all at once by default). An env's own
+    `system_prompt` takes precedence over the `system_prompt` argument."""
     tok = policy.tokenizer
     envs = [make_env() for _ in seeds]
     observations = [env.reset(seed) for env, seed in zip(envs, seeds)]
-    prompts = [render_prompt(tok, obs, system_prompt) for obs in observations]
+    prompts = [render_prompt(tok, obs, system_prompt_of(env) or system_prompt) for env, obs in zip(envs, observations)]
     stats = GenerationStats()
     step = batch_size or len(prompts)
     samples = []

