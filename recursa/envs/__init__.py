@@ -9,6 +9,7 @@
 
 from recursa.envs.base import (
     SPLITS,
+    AgentEnv,
     Env,
     StepResult,
     extract_answer,
@@ -25,6 +26,7 @@ from recursa.envs.base import (
 
 __all__ = [
     "SPLITS",
+    "AgentEnv",
     "Env",
     "StepResult",
     "extract_answer",

@@ -30,6 +30,7 @@ from recursa.errors import UserError
 __all__ = [
     "SPLITS",
     "SPLIT_SIZE",
+    "AgentEnv",
     "Env",
     "StepResult",
     "extract_answer",
@@ -75,6 +76,37 @@ class Env(Protocol):
 
     def step(self, action_text: str) -> StepResult:
         """Apply the model's reply; return the next observation, reward and done flag."""
+        ...
+
+
+@runtime_checkable
+class AgentEnv(Env, Protocol):
+    """A multi-turn text game (TextWorldExpress, TextWorld, the built-in household).
+
+    Contract, beyond `Env`:
+
+    * `reset(seed)` returns the first observation and sets `task`, one line stating the
+      goal (the prompt keeps it even when history is truncated).
+    * `step(action)` takes one action string. An action that is not admissible (when the
+      game lists admissible actions) leaves the game state unchanged, returns reward
+      `-invalid_penalty` and info["invalid"] = True. After `max_steps` steps the episode
+      ends with done = True and won = False.
+    * `StepResult.info` always holds: won (bool), success (bool, = won), invalid (bool),
+      admissible (list[str] | None, the actions admissible in the new state), steps (int,
+      steps taken so far), score (float, the game's own score when it has one).
+    * `admissible_actions()` lists the actions admissible now (None when the game has no
+      such list); `walkthrough()` returns a list of actions that wins from the state right
+      after `reset` (the oracle; None when the game cannot provide one).
+    """
+
+    task: str
+    max_steps: int
+    invalid_penalty: float
+
+    def admissible_actions(self) -> list[str] | None:
+        ...
+
+    def walkthrough(self) -> list[str] | None:
         ...
 
 
