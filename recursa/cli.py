@@ -129,38 +129,50 @@ def cmd_eval(args) -> int:
     import torch
 
     from recursa.envs import make_env
-    from recursa.evaluate import EvalResult, evaluate
+    from recursa.evaluate import EvalResult, evaluate, evaluate_scripted
     from recursa.models import load_policy
     from recursa.stats import paired_compare
 
     cfg, model_cfg, weights, env_name, env_kwargs, max_new = _eval_source(args)
     torch.set_num_threads(cfg.run.threads)
     make_env(env_name, **env_kwargs)  # fail fast on a bad task spec
-    policy = load_policy(model_cfg, weights_dir=weights)
     n = args.n if args.n is not None else cfg.eval.n
     progress = _Progress()
     try:
-        result = evaluate(
-            policy,
-            lambda: make_env(env_name, **env_kwargs),
-            env_name,
-            args.split,
-            n,
-            max_new,
-            cfg.model.system_prompt or None,
-            batch_size=cfg.eval.batch_size,
-            stop=tuple(cfg.sampling.stop),
-            label=args.label or (weights.name if weights else model_cfg.name),
-            progress=lambda d, t: progress("eval", d, t),
-        )
+        if args.policy != "model":
+            result = evaluate_scripted(args.policy, lambda: make_env(env_name, **env_kwargs), env_name, args.split, n, seed=cfg.train.seed, label=args.label or args.policy)
+        else:
+            policy = load_policy(model_cfg, weights_dir=weights)
+            result = evaluate(
+                policy,
+                lambda: make_env(env_name, **env_kwargs),
+                env_name,
+                args.split,
+                n,
+                max_new,
+                cfg.model.system_prompt or None,
+                batch_size=cfg.eval.batch_size,
+                stop=tuple(cfg.sampling.stop),
+                label=args.label or (weights.name if weights else model_cfg.name),
+                progress=lambda d, t: progress("eval", d, t),
+                agent=cfg.agent,
+            )
     finally:
         progress.stop()
     from rich.table import Table
 
     table = Table(title=f"{env_name} · {args.split} split")
-    for col in ("model", "n", "success", "95% CI", "mean reward", "seconds"):
+    for col in ("policy", "n", "success [95% CI]", "mean reward", "mean steps [95% CI]", "invalid rate [95% CI]", "seconds"):
         table.add_column(col)
-    table.add_row(result.label, str(result.n), f"{result.success_rate:.3f}", f"[{result.ci95[0]:.3f}, {result.ci95[1]:.3f}]", f"{result.mean_reward:.3f}", f"{result.seconds:.1f}")
+    table.add_row(
+        result.label,
+        str(result.n),
+        f"{result.success_rate:.3f} [{result.ci95[0]:.3f}, {result.ci95[1]:.3f}]",
+        f"{result.mean_reward:.3f}",
+        f"{result.mean_steps:.2f} [{result.mean_steps_ci95[0]:.2f}, {result.mean_steps_ci95[1]:.2f}]",
+        f"{result.invalid_rate:.3f} [{result.invalid_rate_ci95[0]:.3f}, {result.invalid_rate_ci95[1]:.3f}]",
+        f"{result.seconds:.1f}",
+    )
     console = _console()
     console.print(table)
     if args.json:
@@ -231,6 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--config", help="take model, task and eval settings from a recipe config")
     src.add_argument("--run", help="evaluate a run's checkpoint (see --checkpoint)")
     e.add_argument("--checkpoint", default="last", help="checkpoint step of --run, or 'last'")
+    e.add_argument("--policy", default="model", choices=["model", "random", "oracle"], help="who plays: the model (greedy), a uniformly random admissible action, or the game's walkthrough (multi-turn games)")
     e.add_argument("--model", help="model name or directory (overrides the config's)")
     e.add_argument("--env", help="task spec, e.g. arithmetic or rg:basic_arithmetic (see `recursa envs`)")
     e.add_argument("--env-arg", action="append", default=[], metavar="KEY=VALUE", help="task option, e.g. --env-arg difficulty=1")

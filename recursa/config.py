@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from recursa.agent import AgentConfig
 from recursa.errors import UserError
 
 
@@ -73,6 +74,10 @@ class AlgoConfig(_Section):
     agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field("token-mean", description="loss aggregation")
     kl_coef: float = Field(0.0, ge=0, description="weight of the KL-to-reference penalty in the loss (0 = off, no reference kept)")
     kl_estimator: Literal["k1", "k3"] = Field("k3", description="per-token KL estimator")
+    step_advantage: Literal["none", "gigpo"] = Field("none", description="multi-turn games: add GiGPO's step-level advantage (anchor-state groups)")
+    gigpo_gamma: float = Field(0.95, ge=0, le=1, description="discount of the step returns in GiGPO")
+    gigpo_weight: float = Field(1.0, ge=0, description="weight of the step term: A = A_episode + weight * A_step")
+    gigpo_norm: Literal["std", "none"] = Field("std", description="normalise step advantages by the step group's std, or only centre them")
 
 
 class TrainConfig(_Section):
@@ -120,6 +125,7 @@ class GRPOConfig(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     env: EnvConfig = Field(default_factory=EnvConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    agent: AgentConfig = Field(default_factory=AgentConfig)
     algo: AlgoConfig = Field(default_factory=AlgoConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)

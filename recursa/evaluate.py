@@ -1,23 +1,31 @@
 """Held-out evaluation with confidence intervals.
 
 Greedy decoding on the first `n` seeds of a held-out split (never the training range).
-Success rates get a Wilson interval, mean rewards a seeded percentile bootstrap. Two
-evaluations on the same items are compared with the exact McNemar test
-(`recursa.stats.paired_compare`).
+Success rates get a Wilson interval; mean reward, mean steps and the invalid-action rate
+get a seeded percentile bootstrap. Two evaluations on the same items are compared with
+the exact McNemar test (`recursa.stats.paired_compare`).
+
+Single-turn tasks play one step per item. Multi-turn games (`AgentEnv`) play whole
+episodes, with the model (`evaluate`) or with a scripted baseline (`evaluate_scripted`):
+`oracle` follows the game's walkthrough and must win every held-out game (a check of the
+adapter), `random` picks an admissible action uniformly.
 """
 
 from __future__ import annotations
 
 import json
+import random
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from recursa.agent import AgentConfig
 from recursa.envs.base import Env, split_seeds
+from recursa.errors import UserError
 from recursa.generation import SamplingParams
 from recursa.models import Policy
-from recursa.rollout import rollout
+from recursa.rollout import is_agent_env, rollout, rollout_episodes
 from recursa.stats import bootstrap_mean_ci, wilson_interval
 
 
@@ -26,7 +34,9 @@ class EvalItem:
     seed: int
     reward: float
     success: bool
-    completion: str = ""
+    completion: str = ""  # the reply (single-turn) or the actions taken, joined by " | "
+    steps: int = 1
+    invalid_rate: float = 0.0
 
 
 @dataclass
@@ -41,12 +51,17 @@ class EvalResult:
     items: list[EvalItem] = field(default_factory=list)
     label: str = ""
     model: str = ""
+    policy: str = "model"
+    mean_steps: float = 1.0
+    mean_steps_ci95: tuple[float, float] = (1.0, 1.0)
+    invalid_rate: float = 0.0
+    invalid_rate_ci95: tuple[float, float] = (0.0, 0.0)
     seconds: float = 0.0
 
     def to_json(self) -> dict:
         d = asdict(self)
-        d["ci95"] = list(self.ci95)
-        d["mean_reward_ci95"] = list(self.mean_reward_ci95)
+        for key in ("ci95", "mean_reward_ci95", "mean_steps_ci95", "invalid_rate_ci95"):
+            d[key] = list(getattr(self, key))
         return d
 
     def save(self, path: Path) -> None:
@@ -56,10 +71,44 @@ class EvalResult:
     @classmethod
     def load(cls, path: Path) -> "EvalResult":
         d = json.loads(Path(path).read_text())
-        d["items"] = [EvalItem(**i) for i in d.get("items", [])]
-        d["ci95"] = tuple(d["ci95"])
-        d["mean_reward_ci95"] = tuple(d.get("mean_reward_ci95", (float("nan"), float("nan"))))
+        known = set(cls.__dataclass_fields__)
+        d = {k: v for k, v in d.items() if k in known}
+        d["items"] = [EvalItem(**{k: v for k, v in i.items() if k in EvalItem.__dataclass_fields__}) for i in d.get("items", [])]
+        for key in ("ci95", "mean_reward_ci95", "mean_steps_ci95", "invalid_rate_ci95"):
+            if key in d:
+                d[key] = tuple(d[key])
         return cls(**d)
+
+
+def summarize(items: list[EvalItem], env: str, split: str, label: str, model: str, policy: str, seconds: float) -> EvalResult:
+    """Rates and intervals over per-item results."""
+    n = len(items)
+    successes = sum(i.success for i in items)
+    rewards = [i.reward for i in items]
+    steps = [float(i.steps) for i in items]
+    invalid = [i.invalid_rate for i in items]
+
+    def ci(values):
+        return bootstrap_mean_ci(values) if values else (0.0, 0.0)
+
+    return EvalResult(
+        env=env,
+        split=split,
+        n=n,
+        mean_reward=sum(rewards) / max(n, 1),
+        success_rate=successes / max(n, 1),
+        ci95=wilson_interval(successes, n),
+        mean_reward_ci95=ci(rewards),
+        items=items,
+        label=label,
+        model=model,
+        policy=policy,
+        mean_steps=sum(steps) / max(n, 1),
+        mean_steps_ci95=ci(steps),
+        invalid_rate=sum(invalid) / max(n, 1),
+        invalid_rate_ci95=ci(invalid),
+        seconds=seconds,
+    )
 
 
 def evaluate(
@@ -74,31 +123,69 @@ def evaluate(
     stop: tuple[str, ...] = (),
     label: str = "",
     progress: Callable[[int, int], None] | None = None,
+    agent: AgentConfig | None = None,
 ) -> EvalResult:
-    """Greedy evaluation on the first `n` seeds of `split`."""
+    """Greedy evaluation of the model on the first `n` seeds of `split`."""
     seeds = split_seeds(split, n)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop=stop)
+    multi_turn = is_agent_env(make_env())
     items: list[EvalItem] = []
     start = time.perf_counter()
     for lo in range(0, n, batch_size):
         chunk = seeds[lo : lo + batch_size]
-        result = rollout(policy, make_env, chunk, 1, params, None, system_prompt)
-        items.extend(EvalItem(t.seed, t.reward, t.success, t.completion_text) for t in result.trajectories)
+        if multi_turn:
+            result = rollout_episodes(policy, make_env, chunk, 1, params, None, system_prompt, agent or AgentConfig())
+            items.extend(
+                EvalItem(e.seed, e.total_reward, e.won, " | ".join(t.action for t in e.turns), len(e.turns), e.invalid_rate)
+                for e in result.episodes
+            )
+        else:
+            result = rollout(policy, make_env, chunk, 1, params, None, system_prompt)
+            items.extend(EvalItem(t.seed, t.reward, t.success, t.completion_text) for t in result.trajectories)
         if progress is not None:
             progress(len(items), n)
-    successes = sum(i.success for i in items)
-    rewards = [i.reward for i in items]
-    return EvalResult(
-        env=env_name,
-        split=split,
-        n=len(items),
-        mean_reward=sum(rewards) / max(len(rewards), 1),
-        success_rate=successes / max(len(items), 1),
-        ci95=wilson_interval(successes, len(items)),
-        mean_reward_ci95=bootstrap_mean_ci(rewards) if rewards else (0.0, 0.0),
-        items=items,
-        label=label,
-        model=policy.name,
-        seconds=time.perf_counter() - start,
-    )
+    return summarize(items, env_name, split, label, policy.name, "model", time.perf_counter() - start)
 
+
+def evaluate_scripted(
+    kind: str,
+    make_env: Callable[[], Env],
+    env_name: str,
+    split: str,
+    n: int,
+    seed: int = 0,
+    label: str = "",
+) -> EvalResult:
+    """Play held-out games with a scripted policy: "oracle" (the walkthrough) or "random"
+    (a uniformly random admissible action, from a generator seeded by `seed`)."""
+    if kind not in ("oracle", "random"):
+        raise UserError(f"unknown policy {kind!r}: choose model, random or oracle")
+    env = make_env()
+    if not is_agent_env(env):
+        raise UserError(f"--policy {kind} needs a multi-turn game with admissible actions; {env_name!r} is a single-turn task")
+    rng = random.Random(seed)
+    items = []
+    start = time.perf_counter()
+    for s in split_seeds(split, n):
+        env.reset(s)
+        plan = list(env.walkthrough() or []) if kind == "oracle" else None
+        if kind == "oracle" and not plan:
+            raise UserError(f"{env_name} has no walkthrough for seed {s}: the oracle baseline is not available for this game")
+        admissible = env.admissible_actions()
+        total, steps, invalid, won, actions = 0.0, 0, 0, False, []
+        while True:
+            if kind == "oracle":
+                action = plan.pop(0) if plan else "look"
+            else:
+                action = rng.choice(admissible) if admissible else "look"
+            result = env.step(action)
+            actions.append(action)
+            total += result.reward
+            steps += 1
+            invalid += bool(result.info.get("invalid", False))
+            admissible = result.info.get("admissible", admissible)
+            if result.done:
+                won = bool(result.info.get("won", result.info.get("success", False)))
+                break
+        items.append(EvalItem(s, total, won, " | ".join(actions), steps, invalid / max(steps, 1)))
+    return summarize(items, env_name, split, label or kind, kind, kind, time.perf_counter() - start)

@@ -1,11 +1,16 @@
 """Rollouts: episodes in batches, token-in / token-out.
 
 A rollout is a pure function of (policy weights, task seeds, sampling settings, random
-generator) that returns trajectories; the trainer never reaches into it. For the
-single-turn tasks of the core, an episode is: reset(seed) gives the user message, the
-prompt is rendered once with the model's chat template and tokenized once, the policy
-samples a completion, and step(completion_text) scores it. The trajectory keeps the
-prompt ids and the sampled ids exactly as they were, never re-tokenized text.
+generator) that returns trajectories; the trainer never reaches into it.
+
+* `rollout` plays single-turn tasks: reset(seed) gives the user message, the prompt is
+  rendered once with the model's chat template and tokenized once, the policy samples a
+  completion, and step(completion_text) scores it.
+* `rollout_episodes` plays multi-turn games (`AgentEnv`): all live episodes step
+  together, one batched generation per turn, finished episodes drop out.
+
+Either way the trajectory keeps the prompt ids and the sampled ids exactly as they were,
+never re-tokenized text.
 """
 
 from __future__ import annotations
@@ -15,10 +20,11 @@ from typing import Callable
 
 import torch
 
+from recursa.agent import AgentConfig, parse_action, render_turn
 from recursa.envs.base import Env, system_prompt_of
 from recursa.generation import GenerationStats, SamplingParams, generate
 from recursa.models import Policy
-from recursa.trajectory import Trajectory
+from recursa.trajectory import Episode, Trajectory, Turn
 
 
 @dataclass
@@ -94,3 +100,88 @@ def rollout(
             )
         )
     return RolloutResult(trajectories, stats)
+
+
+@dataclass
+class EpisodeRollout:
+    episodes: list[Episode]  # grouped: group i holds indices [i*G, (i+1)*G)
+    stats: GenerationStats
+    turns: int = 0  # batched generation calls
+
+
+def is_agent_env(env: Env) -> bool:
+    """Multi-turn games expose admissible actions and a walkthrough (see `AgentEnv`)."""
+    return hasattr(env, "admissible_actions") and hasattr(env, "walkthrough")
+
+
+def rollout_episodes(
+    policy: Policy,
+    make_env: Callable[[], Env],
+    seeds: list[int],
+    group_size: int,
+    sampling: SamplingParams,
+    generator: torch.Generator | None,
+    system_prompt: str | None,
+    agent: AgentConfig,
+) -> EpisodeRollout:
+    """Play `group_size` episodes of each seed's game, all live episodes stepping together.
+
+    Each turn, every live episode's prompt is rendered (task, recent history, observation,
+    admissible actions) and tokenized once, the policy samples one action per episode in
+    a single batched call, and episodes that end drop out. Each `Turn` keeps the exact
+    prompt ids and sampled ids, so the trainer scores what the policy saw and produced.
+    """
+    tok = policy.tokenizer
+    n = len(seeds) * group_size
+    envs = [make_env() for _ in range(n)]
+    episode_seeds = [s for s in seeds for _ in range(group_size)]
+    obs = [env.reset(seed) for env, seed in zip(envs, episode_seeds)]
+    admissible = [env.admissible_actions() for env in envs]
+    history: list[list[tuple[str, str]]] = [[] for _ in range(n)]
+    turns: list[list[Turn]] = [[] for _ in range(n)]
+    finish = [""] * n
+    won = [False] * n
+    stats = GenerationStats()
+    calls = 0
+    live = list(range(n))
+    while live:
+        prompts = [
+            render_prompt(tok, render_turn(envs[i].task, obs[i], admissible[i], history[i], agent), system_prompt_of(envs[i]) or system_prompt)
+            for i in live
+        ]
+        samples = generate(policy.causal_lm, tok, prompts, sampling, n=1, generator=generator, stats=stats)
+        calls += 1
+        anchors = {i: (envs[i].state_key() if hasattr(envs[i], "state_key") else obs[i]) for i in live}
+        still = []
+        for i, prompt, s in zip(live, prompts, samples):
+            reply = _completion_text(tok, s.token_ids)
+            parsed = parse_action(reply, admissible[i], agent)
+            result = envs[i].step(parsed.action)
+            info = result.info
+            turns[i].append(
+                Turn(
+                    prompt_ids=prompt,
+                    action_ids=list(s.token_ids),
+                    action_logprobs=list(s.logprobs),
+                    reply=reply,
+                    action=parsed.action,
+                    observation=obs[i],
+                    anchor=str(anchors[i]),
+                    reward=float(result.reward),
+                    invalid=bool(info.get("invalid", False)),
+                )
+            )
+            history[i].append((obs[i], parsed.action))
+            obs[i] = result.obs
+            admissible[i] = info.get("admissible", admissible[i])
+            if result.done:
+                won[i] = bool(info.get("won", info.get("success", False)))
+                finish[i] = "won" if won[i] else ("max_steps" if info.get("steps", 0) >= getattr(envs[i], "max_steps", 1 << 30) else "lost")
+            else:
+                still.append(i)
+        live = still
+    episodes = [
+        Episode(envs[i].name, episode_seeds[i], i // group_size, envs[i].task, turns[i], won[i], finish[i])
+        for i in range(n)
+    ]
+    return EpisodeRollout(episodes, stats, calls)

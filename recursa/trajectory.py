@@ -91,3 +91,60 @@ def collate(trajectories: list[Trajectory], advantages: torch.Tensor, pad_id: in
         logp[i, :k] = torch.tensor(t.sample_logprobs, dtype=torch.float32)
     rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
     return TrainBatch(input_ids, attention, action, logp, advantages.reshape(-1).to(torch.float32), rewards)
+
+
+@dataclass
+class Turn:
+    """One decision of a multi-turn episode: the exact prompt ids the policy read and the
+    exact ids it sampled (never re-tokenized), with what the game made of them."""
+
+    prompt_ids: list[int]
+    action_ids: list[int]
+    action_logprobs: list[float]
+    reply: str  # decoded action tokens
+    action: str  # what was sent to the game (parsed from the reply)
+    observation: str  # the observation the policy acted on
+    anchor: str  # state key for step-level grouping (GiGPO)
+    reward: float
+    invalid: bool
+
+
+@dataclass
+class Episode:
+    env: str
+    seed: int
+    group: int
+    task: str
+    turns: list[Turn]
+    won: bool
+    finish_reason: str  # "won" | "lost" | "max_steps"
+
+    @property
+    def total_reward(self) -> float:
+        return float(sum(t.reward for t in self.turns))
+
+    @property
+    def invalid_rate(self) -> float:
+        return sum(t.invalid for t in self.turns) / max(len(self.turns), 1)
+
+    def rows(self) -> list[Trajectory]:
+        """One training row per turn: the turn's prompt ids followed by its action ids."""
+        out = []
+        for k, t in enumerate(self.turns):
+            out.append(
+                Trajectory(
+                    env=self.env,
+                    seed=self.seed,
+                    group=self.group,
+                    token_ids=t.prompt_ids + t.action_ids,
+                    action_mask=[0] * len(t.prompt_ids) + [1] * len(t.action_ids),
+                    sample_logprobs=[0.0] * len(t.prompt_ids) + t.action_logprobs,
+                    reward=self.total_reward,
+                    success=self.won,
+                    completion_text=t.reply,
+                    prompt_text=t.observation,
+                    finish_reason=self.finish_reason,
+                    info={"turn": k, "action": t.action, "invalid": t.invalid},
+                )
+            )
+        return out

@@ -28,7 +28,47 @@ class DigitsEnv:
         return StepResult("", float(frac), True, {"success": frac >= 0.5})
 
 
+class CorridorEnv:
+    """Toy multi-turn game: walk east along a corridor of `length` rooms to the exit.
+
+    Admissible actions are "go east", "go west" and "wait"; anything else is invalid (no
+    state change, reward -invalid_penalty). Reward 1 on reaching the exit."""
+
+    name = "toy-corridor"
+    system_prompt = None
+
+    def __init__(self, length: int = 3, max_steps: int = 6, invalid_penalty: float = 0.1):
+        self.length, self.max_steps, self.invalid_penalty = length, max_steps, invalid_penalty
+        self.task, self.pos, self.steps = "", 0, 0
+
+    def _obs(self) -> str:
+        return f"You are in room {self.pos} of {self.length}."
+
+    def reset(self, seed: int) -> str:
+        self.pos, self.steps = random.Random(seed).randint(0, 1), 0
+        self.task = f"Your task is to: reach room {self.length}."
+        return self._obs()
+
+    def admissible_actions(self) -> list[str]:
+        return ["go east", "go west", "wait"]
+
+    def walkthrough(self) -> list[str]:
+        return ["go east"] * (self.length - self.pos)
+
+    def step(self, action_text: str) -> StepResult:
+        self.steps += 1
+        invalid = action_text not in self.admissible_actions()
+        if not invalid:
+            self.pos = max(0, self.pos + {"go east": 1, "go west": -1, "wait": 0}[action_text])
+        won = self.pos >= self.length
+        done = won or self.steps >= self.max_steps
+        reward = (1.0 if won else 0.0) - (self.invalid_penalty if invalid else 0.0)
+        info = {"won": won, "success": won, "invalid": invalid, "admissible": self.admissible_actions(), "steps": self.steps, "score": float(won)}
+        return StepResult("Nothing happens." if invalid else self._obs(), reward, done, info)
+
+
 register_env("toy-digits", DigitsEnv, "toy: reward = fraction of digit characters (tests)")
+register_env("toy-corridor", CorridorEnv, "toy multi-turn game: walk east to the exit (tests)")
 
 
 @pytest.fixture(scope="session")

@@ -97,6 +97,9 @@ class AgentEnv(Env, Protocol):
     * `admissible_actions()` lists the actions admissible now (None when the game has no
       such list); `walkthrough()` returns a list of actions that wins from the state right
       after `reset` (the oracle; None when the game cannot provide one).
+    * Optional: `state_key()` returns a string that names the current game state; the
+      rollout uses it as GiGPO's anchor (two turns taken from equal keys are grouped).
+      Without it, the observation text the policy acted on is the anchor.
     """
 
     task: str
@@ -204,6 +207,7 @@ def last_number(text: str) -> str | None:
 
 _BUILTINS: dict[str, str] = {
     "arithmetic": "built-in arithmetic; kwargs: difficulty=0..4, answer_format=last_number|tag|exact",
+    "household": "ALFWorld-style home, multi-turn; kwargs: rooms, objects_per_room, distractors, tasks, max_steps",
 }
 _RG_PREFIX = "rg:"
 _CUSTOM: dict[str, tuple[Callable[..., "Env"], str]] = {}
@@ -260,6 +264,10 @@ def make_env(spec: str, **kwargs: Any) -> Env:
         from recursa.envs.arithmetic import ArithmeticEnv
 
         return ArithmeticEnv(**kwargs)
+    if spec == "household":
+        from recursa.envs.household import HouseholdEnv
+
+        return HouseholdEnv(**kwargs)
     if spec in _CUSTOM:
         return _CUSTOM[spec][0](**kwargs)
     if spec.startswith(_RG_PREFIX):

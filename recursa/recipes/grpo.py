@@ -23,13 +23,14 @@ from typing import Callable
 import torch
 
 from recursa.algorithms.advantages import compute_advantages
+from recursa.algorithms.gigpo import step_advantages
 from recursa.algorithms.losses import ppo_clip_loss
 from recursa.config import GRPOConfig, dump_config
 from recursa.envs import make_env, split_seed
 from recursa.evaluate import EvalResult, evaluate
 from recursa.generation import SamplingParams, sequence_logprobs
 from recursa.models import Policy, count_parameters, load_policy
-from recursa.rollout import rollout
+from recursa.rollout import is_agent_env, rollout, rollout_episodes
 from recursa.store import RunStore
 from recursa.trajectory import TrainBatch, collate
 
@@ -172,12 +173,16 @@ def run_eval(policy: Policy, cfg: GRPOConfig, store: RunStore, step: int, label:
         stop=tuple(cfg.sampling.stop),
         label=label,
         progress=(lambda d, t: progress(f"eval {label}", d, t)) if progress else None,
+        agent=cfg.agent,
     )
     path = store.path / "eval" / f"{label}.json"
     result.save(path)
     store.record_eval(step, label, result, path)
     lo, hi = result.ci95
-    store.log_metrics(step, {"eval/success_rate": result.success_rate, "eval/ci95_lo": lo, "eval/ci95_hi": hi, "eval/mean_reward": result.mean_reward, "eval/n": result.n, "time/eval_s": result.seconds})
+    store.log_metrics(step, {
+        "eval/success_rate": result.success_rate, "eval/ci95_lo": lo, "eval/ci95_hi": hi, "eval/mean_reward": result.mean_reward,
+        "eval/mean_steps": result.mean_steps, "eval/invalid_rate": result.invalid_rate, "eval/n": result.n, "time/eval_s": result.seconds,
+    })
     return result
 
 
@@ -185,7 +190,7 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
     """Run the recipe into `out` (continuing from its last checkpoint when `resume`)."""
     torch.set_num_threads(cfg.run.threads)
     torch.manual_seed(cfg.train.seed)
-    make_env(cfg.env.name, **cfg.env.kwargs)  # fail fast on a bad task spec
+    multi_turn = is_agent_env(make_env(cfg.env.name, **cfg.env.kwargs))  # also fails fast on a bad task spec
     store = RunStore(out, tensorboard=cfg.run.tensorboard)
     ckpt = store.latest_checkpoint() if resume else None
     if not resume:
@@ -225,12 +230,49 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
         t0 = time.perf_counter()
         gen = step_generator(cfg.train.seed, step)
         seeds = train_seeds(cfg, step)
-        ro = rollout(policy, lambda: make_env(cfg.env.name, **cfg.env.kwargs), seeds, G, sampling, gen, cfg.model.system_prompt or None)
-        t1 = time.perf_counter()
-        trajs = ro.trajectories
-        rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32).view(B, G)  # (B, G)
-        advantages = compute_advantages(cfg.algo.advantage, rewards)  # (B, G)
-        batch = collate(trajs, advantages.view(-1), policy.tokenizer.pad_token_id)
+        env_factory = lambda: make_env(cfg.env.name, **cfg.env.kwargs)  # noqa: E731
+        system_prompt = cfg.model.system_prompt or None
+        episode_metrics = {}
+        if multi_turn:
+            # Multi-turn: the group is the G episodes of one game seed; the episode's
+            # advantage is broadcast over every action token of every turn (+ GiGPO's
+            # step term when asked). Each turn is one training row.
+            ero = rollout_episodes(policy, env_factory, seeds, G, sampling, gen, system_prompt, cfg.agent)
+            episodes, gen_stats = ero.episodes, ero.stats
+            t1 = time.perf_counter()
+            rewards = torch.tensor([e.total_reward for e in episodes], dtype=torch.float32).view(B, G)  # (B, G)
+            advantages = compute_advantages(cfg.algo.advantage, rewards)  # (B, G)
+            step_adv = [[0.0] * len(e.turns) for e in episodes]
+            if cfg.algo.step_advantage == "gigpo":
+                step_adv = step_advantages(
+                    [e.group for e in episodes],
+                    [[t.anchor for t in e.turns] for e in episodes],
+                    [[t.reward for t in e.turns] for e in episodes],
+                    gamma=cfg.algo.gigpo_gamma,
+                    norm=cfg.algo.gigpo_norm,
+                )
+            trajs, row_adv = [], []
+            for e, ep in enumerate(episodes):
+                for t, row in enumerate(ep.rows()):
+                    trajs.append(row)
+                    row_adv.append(float(advantages.view(-1)[e]) + cfg.algo.gigpo_weight * step_adv[e][t])
+            row_advantages = torch.tensor(row_adv, dtype=torch.float32)
+            turns = torch.tensor([len(e.turns) for e in episodes], dtype=torch.float32)
+            episode_metrics = {
+                "episode/success_rate": sum(e.won for e in episodes) / len(episodes),
+                "episode/turns_mean": turns.mean().item(),
+                "episode/invalid_rate": sum(e.invalid_rate for e in episodes) / len(episodes),
+                "episode/step_adv_abs_mean": sum(abs(a) for sa in step_adv for a in sa) / max(sum(len(sa) for sa in step_adv), 1),
+                "batch/rows": len(trajs),
+            }
+        else:
+            ro = rollout(policy, env_factory, seeds, G, sampling, gen, system_prompt)
+            trajs, gen_stats = ro.trajectories, ro.stats
+            t1 = time.perf_counter()
+            rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32).view(B, G)  # (B, G)
+            advantages = compute_advantages(cfg.algo.advantage, rewards)  # (B, G)
+            row_advantages = advantages.view(-1)
+        batch = collate(trajs, row_advantages, policy.tokenizer.pad_token_id)
         st = update(policy, optimizer, batch, cfg, gen, opt_step)
         opt_step += st.opt_steps
         t2 = time.perf_counter()
@@ -239,6 +281,7 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
         prompt_tokens = sum(len(t.token_ids) - t.num_action_tokens for t in trajs)
         zero_var = (rewards.std(dim=1) == 0).float().mean()
         metrics = {
+            **episode_metrics,
             "reward/mean": rewards.mean().item(),
             "reward/std": rewards.std().item(),
             "reward/success_rate": sum(t.success for t in trajs) / len(trajs),
@@ -258,12 +301,12 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
             "time/rollout_s": t1 - t0,
             "time/update_s": t2 - t1,
             "time/step_s": t2 - t0,
-            "throughput/gen_tokens_per_s": ro.stats.generated_tokens / max(t1 - t0, 1e-9),
+            "throughput/gen_tokens_per_s": gen_stats.generated_tokens / max(t1 - t0, 1e-9),
             "throughput/tokens_per_s": (prompt_tokens + lengths.sum().item()) / max(t2 - t0, 1e-9),
         }
         store.log_metrics(step + 1, metrics)
         store.log_samples(step + 1, [
-            {"seed": t.seed, "prompt": t.prompt_text, "completion": t.completion_text, "reward": t.reward, "advantage": float(advantages.view(-1)[i])}
+            {"seed": t.seed, "prompt": t.prompt_text, "completion": t.completion_text, "reward": t.reward, "advantage": float(row_advantages[i])}
             for i, t in list(enumerate(trajs))[: cfg.run.log_samples]
         ])
         if progress:
