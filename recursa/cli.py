@@ -20,7 +20,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 def _console():
     from rich.console import Console
 
-    return Console(stderr=False, highlight=False)
+    return Console(stderr=False, highlight=False, width=None if sys.stdout.isatty() else 160)
 
 
 class _Progress:

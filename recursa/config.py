@@ -97,6 +97,7 @@ class TrainConfig(_Section):
         description="old log-probs for the PPO ratio: recomputed by the trainer (free when there is one optimizer step per batch) or the sampler's",
     )
     logit_chunk: int = Field(512, gt=0, description="positions per chunk of the vocabulary projection")
+    shared_prefix: bool = Field(True, description="run each distinct prompt once per micro-batch in the update (same gradient, less work)")
     seed: int = Field(0, description="seed for task order, sampling and shuffling")
 
 

@@ -242,3 +242,81 @@ def sequence_logprobs(
         if ents:
             entropy[rows, cols + 1] = torch.cat(ents)
     return logp, entropy
+
+
+def prefix_lengths(action_mask: torch.Tensor) -> torch.Tensor:
+    """(N,) index of each row's first action token: the prompt the row shares with its group."""
+    has = action_mask.bool().any(dim=1)
+    if not bool(has.all()):
+        raise ValueError("every row needs at least one action token")
+    return action_mask.bool().float().argmax(dim=1)
+
+
+def shared_prefix_logprobs(
+    causal_lm: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    action_mask: torch.Tensor,
+    temperature: float = 1.0,
+    chunk: int = 512,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`sequence_logprobs`, computing each distinct prompt once.
+
+    Rows whose tokens before the first action token are identical (the G samples of a
+    group) share one forward pass over that prompt: the prompt runs once per distinct
+    prompt, left-padded, with a KV cache; the cache is gathered to the rows (a
+    differentiable index) and the completions run on top of it. Gradients reach the
+    prompt's computation once, summed over its rows: the same gradient as running every
+    row in full, with a fraction of the work when prompts are long. Same inputs and
+    outputs as `sequence_logprobs`.
+    """
+    base, lm_head = causal_lm.get_decoder(), causal_lm.get_output_embeddings()
+    cache_kw = _cache_kwarg(base)
+    n, length = input_ids.shape
+    first = prefix_lengths(action_mask)  # (N,)
+    real = attention_mask.sum(dim=1)  # (N,)
+    keys = [tuple(input_ids[i, : int(first[i])].tolist()) for i in range(n)]
+    unique: dict[tuple, int] = {}
+    row_to_prefix = torch.tensor([unique.setdefault(k, len(unique)) for k in keys], dtype=torch.long)  # (N,)
+    prefixes = [list(k) for k in unique]
+    pad_id = 0  # any id: padded positions are masked out
+    p_ids, p_mask = left_pad(prefixes, pad_id)  # (U, P)
+    p_pos = (p_mask.cumsum(-1) - 1).clamp(min=0)
+    cache = _new_cache(causal_lm.config)
+    p_out = base(input_ids=p_ids, attention_mask=p_mask, position_ids=p_pos, use_cache=True, **{cache_kw: cache})
+    h_last = p_out.last_hidden_state[:, -1][row_to_prefix]  # (N, H): predicts each row's first action token
+    cache.batch_select_indices(row_to_prefix)  # (U, ...) -> (N, ...), differentiable gather
+
+    s_len = real - first  # (N,) suffix lengths
+    width = int(s_len.max())
+    offsets = torch.arange(width)
+    src = (first[:, None] + offsets[None, :]).clamp(max=length - 1)  # (N, S) positions in the full rows
+    s_valid = offsets[None, :] < s_len[:, None]  # (N, S)
+    s_ids = torch.where(s_valid, input_ids.gather(1, src), torch.full_like(src, pad_id))
+    s_act = action_mask.gather(1, src) * s_valid  # (N, S)
+    full_mask = torch.cat([p_mask[row_to_prefix], s_valid.long()], dim=1)  # (N, P + S)
+    s_pos = p_mask.sum(dim=1)[row_to_prefix][:, None] + offsets[None, :]  # (N, S)
+    s_out = base(input_ids=s_ids, attention_mask=full_mask, position_ids=s_pos, use_cache=True, **{cache_kw: cache})
+    # hidden state that predicts suffix token j: the prompt's last state for j = 0, else suffix state j - 1
+    pred = torch.cat([h_last[:, None], s_out.last_hidden_state[:, :-1]], dim=1)  # (N, S, H)
+
+    rows, cols = s_act.bool().nonzero(as_tuple=True)
+    h = pred[rows, cols]  # (K, H)
+    targets = s_ids[rows, cols]  # (K,)
+    scale = 1.0 / temperature if temperature > 0 else 1.0
+    pieces, ents = [], []
+    for s in range(0, h.shape[0], chunk):
+        logp_all = F.log_softmax(lm_head(h[s : s + chunk]).float() * scale, dim=-1)
+        pieces.append(logp_all.gather(-1, targets[s : s + chunk, None]).squeeze(-1))
+        if with_entropy:
+            with torch.no_grad():
+                ents.append(-(logp_all.exp() * logp_all).sum(-1))
+    flat = torch.cat(pieces) if pieces else h.new_zeros(0)
+    logp = torch.zeros((n, length), dtype=torch.float32).index_put((rows, first[rows] + cols), flat)
+    entropy = None
+    if with_entropy:
+        entropy = torch.zeros((n, length), dtype=torch.float32)
+        if ents:
+            entropy[rows, first[rows] + cols] = torch.cat(ents)
+    return logp, entropy

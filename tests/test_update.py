@@ -112,3 +112,13 @@ def test_kl_reference_full_and_lora():
     assert st0.kl == 0.0
     trainable = [n for n, p in lora.model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
+
+
+def test_shared_prefix_update_equals_naive_update():
+    policy = load_policy(ModelConfig(name="tiny-random"))
+    batch = _batch(policy, n_prompts=3, g=4)
+    shared = _grads_after(policy, batch, _cfg("train.shared_prefix=true", "train.micro_batch_size=5"))
+    naive = _grads_after(policy, batch, _cfg("train.shared_prefix=false", "train.micro_batch_size=5"))
+    assert shared.keys() == naive.keys() and shared
+    for k in shared:
+        assert (shared[k] - naive[k]).norm() <= 1e-4 * naive[k].norm() + 1e-7, k

@@ -15,6 +15,8 @@ Specs understood by `make_env`:
 
     arithmetic            the built-in arithmetic env (recursa.envs.arithmetic)
     rg:<dataset>          a reasoning-gym dataset, e.g. rg:basic_arithmetic
+    twx:<game>            a TextWorldExpress game, e.g. twx:coin (recursa.envs.twx)
+    textworld:<generator> a generated TextWorld game, e.g. textworld:cooking (recursa.envs.textworld_env)
 """
 
 from __future__ import annotations
@@ -210,13 +212,16 @@ _BUILTINS: dict[str, str] = {
     "household": "ALFWorld-style home, multi-turn; kwargs: rooms, objects_per_room, distractors, tasks, max_steps",
 }
 _RG_PREFIX = "rg:"
+_TWX_PREFIX = "twx:"
+_TW_PREFIX = "textworld:"
+_PREFIXES = (_RG_PREFIX, _TWX_PREFIX, _TW_PREFIX)
 _CUSTOM: dict[str, tuple[Callable[..., "Env"], str]] = {}
 
 
 def register_env(name: str, factory: Callable[..., "Env"], description: str = "") -> None:
     """Make `make_env(name, **kwargs)` call `factory(**kwargs)`: the hook for a user's own
     tasks (an env is anything with `name`, `reset(seed)` and `step(action_text)`)."""
-    if name in _BUILTINS or name.startswith(_RG_PREFIX):
+    if name in _BUILTINS or name.startswith(_PREFIXES):
         raise ValueError(f"{name!r} is a built-in env spec; register your env under another name")
     _CUSTOM[name] = (factory, description or "user-registered env")
 
@@ -227,6 +232,15 @@ def _reasoning_gym_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def _installed(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def list_reasoning_gym_datasets() -> list[str]:
@@ -252,11 +266,36 @@ def list_envs() -> list[tuple[str, str]]:
         )
     else:
         rows.append(("rg:<name>", "reasoning-gym datasets (not installed: pip install 'recursa[envs]')"))
+    if _installed("textworld_express"):
+        from textworld_express import GAME_NAMES
+
+        rows.append(
+            (
+                "twx:<game>",
+                f"TextWorldExpress games ({', '.join(GAME_NAMES)}; needs Java); kwargs: TWX game parameters "
+                "(e.g. numLocations=3), max_steps, invalid_penalty",
+            )
+        )
+    else:
+        rows.append(("twx:<game>", "TextWorldExpress games (not installed: pip install textworld-express; needs Java)"))
+    if _installed("textworld"):
+        from recursa.envs.textworld_env import GENERATORS
+
+        rows.append(
+            (
+                "textworld:<generator>",
+                f"generated TextWorld games ({', '.join(GENERATORS)}), cached on disk; kwargs: generator "
+                "options (e.g. recipe=2, level=3), max_steps, invalid_penalty",
+            )
+        )
+    else:
+        rows.append(("textworld:<generator>", "generated TextWorld games (not installed: pip install textworld)"))
     return rows
 
 
 def make_env(spec: str, **kwargs: Any) -> Env:
-    """Build the env named by `spec` ("arithmetic" or "rg:<dataset>") with `kwargs`."""
+    """Build the env named by `spec` ("arithmetic", "rg:<dataset>", "twx:<game>",
+    "textworld:<generator>" or a registered name) with `kwargs`."""
     if not isinstance(spec, str):
         raise UserError(f"env spec must be a string like 'arithmetic' or 'rg:basic_arithmetic', got {spec!r}")
     spec = spec.strip()
@@ -276,7 +315,15 @@ def make_env(spec: str, **kwargs: Any) -> Env:
         from recursa.envs.reasoning_gym import ReasoningGymEnv
 
         return ReasoningGymEnv(spec[len(_RG_PREFIX) :].strip(), **kwargs)
-    known = list(_BUILTINS) + list(_CUSTOM) + ["rg:<dataset>"]
+    if spec.startswith(_TWX_PREFIX):
+        from recursa.envs.twx import TWXEnv
+
+        return TWXEnv(spec[len(_TWX_PREFIX) :].strip(), **kwargs)
+    if spec.startswith(_TW_PREFIX):
+        from recursa.envs.textworld_env import TextWorldEnv
+
+        return TextWorldEnv(spec[len(_TW_PREFIX) :].strip(), **kwargs)
+    known = list(_BUILTINS) + list(_CUSTOM) + ["rg:<dataset>", "twx:<game>", "textworld:<generator>"]
     close = difflib.get_close_matches(spec, list(_BUILTINS) + list(_CUSTOM), n=3, cutoff=0.6)
     hint = f" (did you mean {', '.join(close)}?)" if close else ""
     raise UserError(f"unknown env {spec!r}{hint}; known: {', '.join(known)}; run `recursa envs` to list them")

@@ -28,7 +28,7 @@ from recursa.algorithms.losses import ppo_clip_loss
 from recursa.config import GRPOConfig, dump_config
 from recursa.envs import make_env, split_seed
 from recursa.evaluate import EvalResult, evaluate
-from recursa.generation import SamplingParams, sequence_logprobs
+from recursa.generation import SamplingParams, prefix_lengths, sequence_logprobs, shared_prefix_logprobs
 from recursa.models import Policy, count_parameters, load_policy
 from recursa.rollout import is_agent_env, rollout, rollout_episodes
 from recursa.store import RunStore
@@ -97,8 +97,11 @@ def update(
     model.train()
     out = UpdateStats()
     n_stats = 0
+    logprobs = shared_prefix_logprobs if tc.shared_prefix else sequence_logprobs
+    groups = prompt_groups(batch)
     for _ in range(tc.epochs):
-        order = torch.randperm(n, generator=generator)
+        # shuffle whole prompt groups, so the rows of a group share micro-batches (and prefills)
+        order = torch.cat([groups[int(g)] for g in torch.randperm(len(groups), generator=generator)])
         for m in range(tc.mini_batches):
             mb_idx = order[m * mb_size : (m + 1) * mb_size]
             num_tokens = int(batch.action_mask[mb_idx].sum().item())
@@ -108,7 +111,7 @@ def update(
             for lo in range(0, len(mb_idx), tc.micro_batch_size):
                 idx = mb_idx[lo : lo + tc.micro_batch_size]
                 mb = batch.select(idx)
-                logp, ent = sequence_logprobs(model, mb.input_ids, mb.attention_mask, mb.action_mask, temperature, tc.logit_chunk, with_entropy=True)
+                logp, ent = logprobs(model, mb.input_ids, mb.attention_mask, mb.action_mask, temperature, tc.logit_chunk, with_entropy=True)
                 L = logp.shape[1]
                 logp_old = logp.detach() if logp_old_all is None else logp_old_all[idx, :L]
                 loss, st = ppo_clip_loss(
@@ -146,6 +149,15 @@ def update(
     return out
 
 
+def prompt_groups(batch: TrainBatch) -> list[torch.Tensor]:
+    """Row indices grouped by identical prompt (the tokens before the first action token)."""
+    first = prefix_lengths(batch.action_mask)
+    index: dict[tuple, list[int]] = {}
+    for i in range(len(batch)):
+        index.setdefault(tuple(batch.input_ids[i, : int(first[i])].tolist()), []).append(i)
+    return [torch.tensor(rows, dtype=torch.long) for rows in index.values()]
+
+
 @torch.no_grad()
 def _score(model, batch: TrainBatch, temperature: float, micro: int, chunk: int) -> torch.Tensor:
     """Log-probs of the batch's action tokens under `model`, (N, L), no gradient."""
@@ -154,7 +166,7 @@ def _score(model, batch: TrainBatch, temperature: float, micro: int, chunk: int)
     for lo in range(0, len(batch), micro):
         idx = torch.arange(lo, min(lo + micro, len(batch)))
         mb = batch.select(idx)
-        logp, _ = sequence_logprobs(model, mb.input_ids, mb.attention_mask, mb.action_mask, temperature, chunk)
+        logp, _ = shared_prefix_logprobs(model, mb.input_ids, mb.attention_mask, mb.action_mask, temperature, chunk)
         out[idx, : logp.shape[1]] = logp
     return out
 

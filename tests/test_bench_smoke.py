@@ -1,0 +1,60 @@
+"""The recursa-vs-TRL benchmark runs end to end on the tiny model (benchmarks/vs_trl.py --smoke)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "benchmarks" / "vs_trl.py"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="trl is not installed (pip install -e .[bench])")
+def test_vs_trl_smoke(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--smoke", "--out", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((tmp_path / "vs_trl.json").read_text())
+    assert set(data) >= {"short", "machine"}
+    assert data["machine"]["matmul_gflops"] > 0
+    assert data["machine"]["threads"] == 2
+    res = data["short"]
+    assert set(res) >= {"settings", "recursa", "trl", "speedup"}
+    assert res["speedup"] > 0
+    steps = data["meta"]["steps"]
+    for fw in ("recursa", "trl"):
+        r = res[fw]
+        assert r["warmup_s_per_step"] > 0
+        assert r["median_s_per_step"] > 0
+        assert all(len(run) == steps and all(t > 0 for t in run) for run in r["s_per_step_all"])
+        assert len(r["reward_curve"]) == steps
+        assert r["peak_rss_mb"] > 0
+        assert r["gen_tokens_per_s"] > 0 and r["trained_tokens_per_s"] > 0
+        assert r["threads"] == [2]
+    # both frameworks saw exactly the same prompts (same chat template and system prompt)
+    assert res["recursa"]["mean_prompt_tokens"] == res["trl"]["mean_prompt_tokens"] > 0
+    assert (tmp_path / "vs_trl.md").read_text().startswith("# recursa vs TRL")
+    assert (tmp_path / "vs_trl.png").stat().st_size > 0
+
+
+def test_vs_trl_without_trl_exits_2(tmp_path):
+    """Without TRL the script says so in one line and exits 2 (unless --recursa-only)."""
+    code = (
+        "import runpy, sys; sys.modules['trl'] = None; "
+        f"sys.argv = [{str(SCRIPT)!r}, '--smoke', '--out', {str(tmp_path)!r}]; "
+        f"runpy.run_path({str(SCRIPT)!r}, run_name='__main__')"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert len(proc.stderr.strip().splitlines()) == 1 and "TRL is not installed" in proc.stderr
+    assert not (tmp_path / "vs_trl.json").exists()
