@@ -22,6 +22,10 @@ endif
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
+	@# Java for TextWorldExpress: installed through apt when we can (root), else a note.
+	@command -v java >/dev/null 2>&1 || { if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq default-jre-headless >/dev/null; \
+	  else echo "note: install Java (e.g. apt-get install default-jre-headless) for the twx: environments"; fi; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q $(TORCH_SPEC)
 	$(PIP) install -q -e ".[envs,test]"
