@@ -128,24 +128,25 @@ def cmd_eval(args) -> int:
 
     import torch
 
-    from recursa.envs import make_env
+    from recursa.envs import EnvPool, make_env
     from recursa.evaluate import EvalResult, evaluate, evaluate_scripted
     from recursa.models import load_policy
     from recursa.stats import paired_compare
 
     cfg, model_cfg, weights, env_name, env_kwargs, max_new = _eval_source(args)
     torch.set_num_threads(cfg.run.threads)
-    make_env(env_name, **env_kwargs)  # fail fast on a bad task spec
+    pool = EnvPool(lambda: make_env(env_name, **env_kwargs))
+    pool.take(1)  # fail fast on a bad task spec
     n = args.n if args.n is not None else cfg.eval.n
     progress = _Progress()
     try:
         if args.policy != "model":
-            result = evaluate_scripted(args.policy, lambda: make_env(env_name, **env_kwargs), env_name, args.split, n, seed=cfg.train.seed, label=args.label or args.policy)
+            result = evaluate_scripted(args.policy, pool, env_name, args.split, n, seed=cfg.train.seed, label=args.label or args.policy)
         else:
             policy = load_policy(model_cfg, weights_dir=weights)
             result = evaluate(
                 policy,
-                lambda: make_env(env_name, **env_kwargs),
+                pool,
                 env_name,
                 args.split,
                 n,
@@ -159,6 +160,7 @@ def cmd_eval(args) -> int:
             )
     finally:
         progress.stop()
+        pool.close()
     from rich.table import Table
 
     table = Table(title=f"{env_name} · {args.split} split")

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from recursa.agent import AgentConfig
-from recursa.envs.base import Env, split_seeds
+from recursa.envs.base import Env, EnvPool, as_pool, split_seeds
 from recursa.errors import UserError
 from recursa.generation import SamplingParams
 from recursa.models import Policy
@@ -113,7 +113,7 @@ def summarize(items: list[EvalItem], env: str, split: str, label: str, model: st
 
 def evaluate(
     policy: Policy,
-    make_env: Callable[[], Env],
+    envs: EnvPool | Callable[[], Env],
     env_name: str,
     split: str,
     n: int,
@@ -128,19 +128,20 @@ def evaluate(
     """Greedy evaluation of the model on the first `n` seeds of `split`."""
     seeds = split_seeds(split, n)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop=stop)
-    multi_turn = is_agent_env(make_env())
+    pool = as_pool(envs)
+    multi_turn = is_agent_env(pool.take(1)[0])
     items: list[EvalItem] = []
     start = time.perf_counter()
     for lo in range(0, n, batch_size):
         chunk = seeds[lo : lo + batch_size]
         if multi_turn:
-            result = rollout_episodes(policy, make_env, chunk, 1, params, None, system_prompt, agent or AgentConfig())
+            result = rollout_episodes(policy, pool, chunk, 1, params, None, system_prompt, agent or AgentConfig())
             items.extend(
                 EvalItem(e.seed, e.total_reward, e.won, " | ".join(t.action for t in e.turns), len(e.turns), e.invalid_rate)
                 for e in result.episodes
             )
         else:
-            result = rollout(policy, make_env, chunk, 1, params, None, system_prompt)
+            result = rollout(policy, pool, chunk, 1, params, None, system_prompt)
             items.extend(EvalItem(t.seed, t.reward, t.success, t.completion_text) for t in result.trajectories)
         if progress is not None:
             progress(len(items), n)
@@ -149,7 +150,7 @@ def evaluate(
 
 def evaluate_scripted(
     kind: str,
-    make_env: Callable[[], Env],
+    envs: EnvPool | Callable[[], Env],
     env_name: str,
     split: str,
     n: int,
@@ -160,7 +161,7 @@ def evaluate_scripted(
     (a uniformly random admissible action, from a generator seeded by `seed`)."""
     if kind not in ("oracle", "random"):
         raise UserError(f"unknown policy {kind!r}: choose model, random or oracle")
-    env = make_env()
+    env = as_pool(envs).take(1)[0]
     if not is_agent_env(env):
         raise UserError(f"--policy {kind} needs a multi-turn game with admissible actions; {env_name!r} is a single-turn task")
     rng = random.Random(seed)

@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 from recursa.agent import AgentConfig, parse_action, render_turn
-from recursa.envs.base import Env, system_prompt_of
+from recursa.envs.base import Env, EnvPool, as_pool, system_prompt_of
 from recursa.generation import GenerationStats, SamplingParams, generate
 from recursa.models import Policy
 from recursa.trajectory import Episode, Trajectory, Turn
@@ -51,7 +51,7 @@ def _completion_text(tokenizer, token_ids: list[int]) -> str:
 
 def rollout(
     policy: Policy,
-    make_env: Callable[[], Env],
+    envs: EnvPool | Callable[[], Env],
     seeds: list[int],
     group_size: int,
     sampling: SamplingParams,
@@ -63,7 +63,7 @@ def rollout(
     batches of `batch_size` distinct seeds (all at once by default). An env's own
     `system_prompt` takes precedence over the `system_prompt` argument."""
     tok = policy.tokenizer
-    envs = [make_env() for _ in seeds]
+    envs = as_pool(envs).take(len(seeds))
     observations = [env.reset(seed) for env, seed in zip(envs, seeds)]
     prompts = [render_prompt(tok, obs, system_prompt_of(env) or system_prompt) for env, obs in zip(envs, observations)]
     stats = GenerationStats()
@@ -116,7 +116,7 @@ def is_agent_env(env: Env) -> bool:
 
 def rollout_episodes(
     policy: Policy,
-    make_env: Callable[[], Env],
+    envs: EnvPool | Callable[[], Env],
     seeds: list[int],
     group_size: int,
     sampling: SamplingParams,
@@ -133,7 +133,7 @@ def rollout_episodes(
     """
     tok = policy.tokenizer
     n = len(seeds) * group_size
-    envs = [make_env() for _ in range(n)]
+    envs = as_pool(envs).take(n)
     episode_seeds = [s for s in seeds for _ in range(group_size)]
     obs = [env.reset(seed) for env, seed in zip(envs, episode_seeds)]
     admissible = [env.admissible_actions() for env in envs]

@@ -34,6 +34,7 @@ __all__ = [
     "SPLIT_SIZE",
     "AgentEnv",
     "Env",
+    "EnvPool",
     "StepResult",
     "extract_answer",
     "last_number",
@@ -203,6 +204,32 @@ def last_number(text: str) -> str | None:
         if value is not None:
             return value
     return None
+
+
+class EnvPool:
+    """Env instances kept for reuse across rollouts. Some adapters are costly to create
+    (a TextWorldExpress adapter starts a JVM), so a run creates each instance once and
+    resets it for every new episode. `take(n)` returns n distinct instances."""
+
+    def __init__(self, factory: Callable[[], "Env"]):
+        self.factory = factory
+        self.envs: list[Env] = []
+
+    def take(self, n: int) -> list["Env"]:
+        while len(self.envs) < n:
+            self.envs.append(self.factory())
+        return self.envs[:n]
+
+    def close(self) -> None:
+        for env in self.envs:
+            close = getattr(env, "close", None)
+            if callable(close):
+                close()
+        self.envs = []
+
+
+def as_pool(envs: "EnvPool | Callable[[], Env]") -> EnvPool:
+    return envs if isinstance(envs, EnvPool) else EnvPool(envs)
 
 
 # ------------------------------------------------------------------------------- registry

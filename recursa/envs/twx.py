@@ -33,7 +33,7 @@ info["invalid"]. Reward is 1.0 on the step where TWX reports task success, else 
 partial score is in info["score"]). The episode ends on success, on task failure
 (info["lost"]) or after `max_steps` steps (invalid ones included).
 
-Speed (measured on a shared 16-core box): JVM start + load ~0.7-0.9 s per adapter; reset
+Speed (measured on the 2-core development machine): JVM start + load ~0.7-0.9 s per adapter; reset
 ~1.5-6 ms; step ~0.3-0.6 ms (py4j round trips dominate). Resets skip TWX's gold path
 (it doubles the cost of a cookingworld reset); `walkthrough()` regenerates the game with
 it, checks it by replay and restores the episode, a few ms.

@@ -26,7 +26,7 @@ from recursa.algorithms.advantages import compute_advantages
 from recursa.algorithms.gigpo import step_advantages
 from recursa.algorithms.losses import ppo_clip_loss
 from recursa.config import GRPOConfig, dump_config
-from recursa.envs import make_env, split_seed
+from recursa.envs import EnvPool, make_env, split_seed
 from recursa.evaluate import EvalResult, evaluate
 from recursa.generation import SamplingParams, prefix_lengths, sequence_logprobs, shared_prefix_logprobs
 from recursa.models import Policy, count_parameters, load_policy
@@ -171,11 +171,11 @@ def _score(model, batch: TrainBatch, temperature: float, micro: int, chunk: int)
     return out
 
 
-def run_eval(policy: Policy, cfg: GRPOConfig, store: RunStore, step: int, label: str, progress: Progress | None) -> EvalResult:
+def run_eval(policy: Policy, cfg: GRPOConfig, pool: EnvPool, store: RunStore, step: int, label: str, progress: Progress | None) -> EvalResult:
     ec = cfg.eval
     result = evaluate(
         policy,
-        lambda: make_env(cfg.env.name, **cfg.env.kwargs),
+        pool,
         cfg.env.name,
         ec.split,
         ec.n,
@@ -202,7 +202,8 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
     """Run the recipe into `out` (continuing from its last checkpoint when `resume`)."""
     torch.set_num_threads(cfg.run.threads)
     torch.manual_seed(cfg.train.seed)
-    multi_turn = is_agent_env(make_env(cfg.env.name, **cfg.env.kwargs))  # also fails fast on a bad task spec
+    pool = EnvPool(lambda: make_env(cfg.env.name, **cfg.env.kwargs))  # env instances, reused all run
+    multi_turn = is_agent_env(pool.take(1)[0])  # also fails fast on a bad task spec
     store = RunStore(out, tensorboard=cfg.run.tensorboard)
     ckpt = store.latest_checkpoint() if resume else None
     if not resume:
@@ -233,7 +234,7 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
     log(f"model {cfg.model.name}: {total / 1e6:.1f}M parameters, {trainable / 1e6:.1f}M trainable; task {cfg.env.name}")
 
     if start_step == 0 and cfg.eval.before and cfg.eval.n > 0 and not (out / "eval" / "before.json").exists():
-        r = run_eval(policy, cfg, store, 0, "before", progress)
+        r = run_eval(policy, cfg, pool, store, 0, "before", progress)
         log(f"before: success {r.success_rate:.3f} [{r.ci95[0]:.3f}, {r.ci95[1]:.3f}] on {r.n} {cfg.eval.split} items")
 
     sampling = SamplingParams(cfg.sampling.max_new_tokens, cfg.sampling.temperature, cfg.sampling.top_p, tuple(cfg.sampling.stop))
@@ -242,14 +243,13 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
         t0 = time.perf_counter()
         gen = step_generator(cfg.train.seed, step)
         seeds = train_seeds(cfg, step)
-        env_factory = lambda: make_env(cfg.env.name, **cfg.env.kwargs)  # noqa: E731
         system_prompt = cfg.model.system_prompt or None
         episode_metrics = {}
         if multi_turn:
             # Multi-turn: the group is the G episodes of one game seed; the episode's
             # advantage is broadcast over every action token of every turn (+ GiGPO's
             # step term when asked). Each turn is one training row.
-            ero = rollout_episodes(policy, env_factory, seeds, G, sampling, gen, system_prompt, cfg.agent)
+            ero = rollout_episodes(policy, pool, seeds, G, sampling, gen, system_prompt, cfg.agent)
             episodes, gen_stats = ero.episodes, ero.stats
             t1 = time.perf_counter()
             rewards = torch.tensor([e.total_reward for e in episodes], dtype=torch.float32).view(B, G)  # (B, G)
@@ -278,7 +278,7 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
                 "batch/rows": len(trajs),
             }
         else:
-            ro = rollout(policy, env_factory, seeds, G, sampling, gen, system_prompt)
+            ro = rollout(policy, pool, seeds, G, sampling, gen, system_prompt)
             trajs, gen_stats = ro.trajectories, ro.stats
             t1 = time.perf_counter()
             rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32).view(B, G)  # (B, G)
@@ -329,7 +329,7 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
         )
         done = step + 1
         if cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.train.steps and cfg.eval.n > 0:
-            r = run_eval(policy, cfg, store, done, f"step_{done:04d}", progress)
+            r = run_eval(policy, cfg, pool, store, done, f"step_{done:04d}", progress)
             log(f"eval @ {done}: success {r.success_rate:.3f} [{r.ci95[0]:.3f}, {r.ci95[1]:.3f}]")
         if (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0) or done == cfg.train.steps:
             store.save_checkpoint(done, policy, optimizer, {"opt_steps": opt_step})
@@ -337,8 +337,9 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
     if cfg.train.steps == 0 and store.latest_checkpoint() is None:
         store.save_checkpoint(0, policy, optimizer, {"opt_steps": 0})
     if cfg.eval.after and cfg.eval.n > 0 and not (out / "eval" / "after.json").exists():
-        r = run_eval(policy, cfg, store, cfg.train.steps, "after", progress)
+        r = run_eval(policy, cfg, pool, store, cfg.train.steps, "after", progress)
         log(f"after: success {r.success_rate:.3f} [{r.ci95[0]:.3f}, {r.ci95[1]:.3f}] on {r.n} {cfg.eval.split} items")
     store.close()
+    pool.close()
     del model
     return out
