@@ -56,6 +56,15 @@ def lr_at(cfg: GRPOConfig, opt_step: int) -> float:
     return cfg.train.lr
 
 
+def make_optimizer(params: list[torch.nn.Parameter], cfg: GRPOConfig) -> torch.optim.Optimizer:
+    """AdamW, with the fused kernel where this torch build has one (same update, one pass)."""
+    kwargs = dict(lr=cfg.train.lr, betas=cfg.train.betas, weight_decay=cfg.train.weight_decay)
+    try:
+        return torch.optim.AdamW(params, fused=True, **kwargs)
+    except (RuntimeError, TypeError, ValueError):
+        return torch.optim.AdamW(params, **kwargs)
+
+
 @dataclass
 class UpdateStats:
     loss: float = 0.0
@@ -220,7 +229,7 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
             policy.enable_reference()
     model = policy.causal_lm
     params = [p for p in policy.model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, betas=cfg.train.betas, weight_decay=cfg.train.weight_decay)
+    optimizer = make_optimizer(params, cfg)
     start_step, opt_step = 0, 0
     if ckpt is not None:
         state = store.load_state(ckpt, optimizer)
