@@ -2,9 +2,12 @@
 
     for step in range(steps):
         seeds      <- B training seeds for this step
-        rollout    -> B x G trajectories (token ids, action masks, sampler log-probs, rewards)
+        rollout    -> B x G trajectories (token ids, action masks, sampler log-probs, rewards);
+                      for multi-turn games B x G episodes, one training row per turn
         advantages <- estimator(rewards  # (B, G))            grpo | dr_grpo | rloo | reinforce_pp | gopo
-        update     <- epochs x mini-batches of PPO-clip, micro-batched with gradient accumulation
+                      (+ GiGPO's step term per turn, for games)
+        update     <- epochs x mini-batches of PPO-clip, micro-batched with gradient accumulation,
+                      each distinct prompt computed once per micro-batch
         evaluate   <- every `eval.every` steps, and before / after training
         checkpoint <- every `run.checkpoint_every` steps and at the end
 
@@ -32,7 +35,7 @@ from recursa.generation import SamplingParams, prefix_lengths, sequence_logprobs
 from recursa.models import Policy, count_parameters, load_policy
 from recursa.rollout import is_agent_env, rollout, rollout_episodes
 from recursa.store import RunStore
-from recursa.trajectory import TrainBatch, collate
+from recursa.trajectory import Episode, TrainBatch, Trajectory, collate
 
 Progress = Callable[[str, int, int], None]  # (phase, done, total)
 
@@ -158,6 +161,36 @@ def update(
     return out
 
 
+def episode_rows(episodes: list[Episode], advantages: torch.Tensor, cfg: GRPOConfig) -> tuple[list[Trajectory], torch.Tensor, dict]:
+    """One training row per turn, its advantage = the episode's group advantage
+    (`advantages  # (B, G)`, broadcast over every action token of every turn) plus, with
+    GiGPO, weight x the step advantage of that turn. Returns rows, (rows,) advantages and
+    episode metrics."""
+    step_adv = [[0.0] * len(e.turns) for e in episodes]
+    if cfg.algo.step_advantage == "gigpo":
+        step_adv = step_advantages(
+            [e.group for e in episodes],
+            [[t.anchor for t in e.turns] for e in episodes],
+            [[t.reward for t in e.turns] for e in episodes],
+            gamma=cfg.algo.gigpo_gamma,
+            norm=cfg.algo.gigpo_norm,
+        )
+    rows, row_adv = [], []
+    for e, episode in enumerate(episodes):
+        for t, row in enumerate(episode.rows()):
+            rows.append(row)
+            row_adv.append(float(advantages.view(-1)[e]) + cfg.algo.gigpo_weight * step_adv[e][t])
+    n_steps = max(sum(len(a) for a in step_adv), 1)
+    metrics = {
+        "episode/success_rate": sum(e.won for e in episodes) / len(episodes),
+        "episode/turns_mean": sum(len(e.turns) for e in episodes) / len(episodes),
+        "episode/invalid_rate": sum(e.invalid_rate for e in episodes) / len(episodes),
+        "episode/step_adv_abs_mean": sum(abs(a) for sa in step_adv for a in sa) / n_steps,
+        "batch/rows": len(rows),
+    }
+    return rows, torch.tensor(row_adv, dtype=torch.float32), metrics
+
+
 def prompt_groups(batch: TrainBatch) -> list[torch.Tensor]:
     """Row indices grouped by identical prompt (the tokens before the first action token)."""
     first = prefix_lengths(batch.action_mask)
@@ -263,29 +296,7 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
             t1 = time.perf_counter()
             rewards = torch.tensor([e.total_reward for e in episodes], dtype=torch.float32).view(B, G)  # (B, G)
             advantages = compute_advantages(cfg.algo.advantage, rewards)  # (B, G)
-            step_adv = [[0.0] * len(e.turns) for e in episodes]
-            if cfg.algo.step_advantage == "gigpo":
-                step_adv = step_advantages(
-                    [e.group for e in episodes],
-                    [[t.anchor for t in e.turns] for e in episodes],
-                    [[t.reward for t in e.turns] for e in episodes],
-                    gamma=cfg.algo.gigpo_gamma,
-                    norm=cfg.algo.gigpo_norm,
-                )
-            trajs, row_adv = [], []
-            for e, ep in enumerate(episodes):
-                for t, row in enumerate(ep.rows()):
-                    trajs.append(row)
-                    row_adv.append(float(advantages.view(-1)[e]) + cfg.algo.gigpo_weight * step_adv[e][t])
-            row_advantages = torch.tensor(row_adv, dtype=torch.float32)
-            turns = torch.tensor([len(e.turns) for e in episodes], dtype=torch.float32)
-            episode_metrics = {
-                "episode/success_rate": sum(e.won for e in episodes) / len(episodes),
-                "episode/turns_mean": turns.mean().item(),
-                "episode/invalid_rate": sum(e.invalid_rate for e in episodes) / len(episodes),
-                "episode/step_adv_abs_mean": sum(abs(a) for sa in step_adv for a in sa) / max(sum(len(sa) for sa in step_adv), 1),
-                "batch/rows": len(trajs),
-            }
+            trajs, row_advantages, episode_metrics = episode_rows(episodes, advantages, cfg)
         else:
             ro = rollout(policy, pool, seeds, G, sampling, gen, system_prompt)
             trajs, gen_stats = ro.trajectories, ro.stats
