@@ -224,23 +224,27 @@ def sequence_logprobs(
     rows, cols = targets.nonzero(as_tuple=True)
     h = hidden[:, :-1][rows, cols]  # (K, H)
     next_tokens = input_ids[:, 1:][rows, cols]  # (K,)
+    return _project(lm_head, h, next_tokens, (rows, cols + 1), input_ids.shape, temperature, chunk, with_entropy)
+
+
+def _project(lm_head, h, targets, where, shape, temperature, chunk, with_entropy):
+    """log pi(target | h) for K hidden states `h  # (K, H)`, `chunk` rows of the vocabulary
+    projection at a time, scattered into an (N, L) tensor at `where` (and the entropy)."""
     scale = 1.0 / temperature if temperature > 0 else 1.0
     pieces, ents = [], []
     for s in range(0, h.shape[0], chunk):
-        logits = lm_head(h[s : s + chunk]).float() * scale  # (k, V)
-        logp_all = F.log_softmax(logits, dim=-1)
-        pieces.append(logp_all.gather(-1, next_tokens[s : s + chunk, None]).squeeze(-1))
+        logp_all = F.log_softmax(lm_head(h[s : s + chunk]).float() * scale, dim=-1)  # (k, V)
+        pieces.append(logp_all.gather(-1, targets[s : s + chunk, None]).squeeze(-1))
         if with_entropy:
             with torch.no_grad():
                 ents.append(-(logp_all.exp() * logp_all).sum(-1))
-    flat = torch.cat(pieces) if pieces else hidden.new_zeros(0)
-    logp = hidden.new_zeros(input_ids.shape, dtype=torch.float32)
-    logp = logp.index_put((rows, cols + 1), flat)
+    flat = torch.cat(pieces) if pieces else h.new_zeros(0)
+    logp = torch.zeros(shape, dtype=torch.float32).index_put(where, flat)
     entropy = None
     if with_entropy:
-        entropy = torch.zeros(input_ids.shape, dtype=torch.float32)
+        entropy = torch.zeros(shape, dtype=torch.float32)
         if ents:
-            entropy[rows, cols + 1] = torch.cat(ents)
+            entropy[where] = torch.cat(ents)
     return logp, entropy
 
 
@@ -304,19 +308,4 @@ def shared_prefix_logprobs(
     rows, cols = s_act.bool().nonzero(as_tuple=True)
     h = pred[rows, cols]  # (K, H)
     targets = s_ids[rows, cols]  # (K,)
-    scale = 1.0 / temperature if temperature > 0 else 1.0
-    pieces, ents = [], []
-    for s in range(0, h.shape[0], chunk):
-        logp_all = F.log_softmax(lm_head(h[s : s + chunk]).float() * scale, dim=-1)
-        pieces.append(logp_all.gather(-1, targets[s : s + chunk, None]).squeeze(-1))
-        if with_entropy:
-            with torch.no_grad():
-                ents.append(-(logp_all.exp() * logp_all).sum(-1))
-    flat = torch.cat(pieces) if pieces else h.new_zeros(0)
-    logp = torch.zeros((n, length), dtype=torch.float32).index_put((rows, first[rows] + cols), flat)
-    entropy = None
-    if with_entropy:
-        entropy = torch.zeros((n, length), dtype=torch.float32)
-        if ents:
-            entropy[rows, first[rows] + cols] = torch.cat(ents)
-    return logp, entropy
+    return _project(lm_head, h, targets, (rows, first[rows] + cols), (n, length), temperature, chunk, with_entropy)

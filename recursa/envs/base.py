@@ -206,6 +206,25 @@ def last_number(text: str) -> str | None:
     return None
 
 
+def one_line(text: str) -> str:
+    """Collapse all whitespace to single spaces (task lines, observations in logs)."""
+    return " ".join(str(text).split())
+
+
+def normalize_action(action: str) -> str:
+    """Lower-case and collapse whitespace: how adapters compare an action to the list."""
+    return " ".join(str(action).lower().split())
+
+
+def match_admissible(action: str, admissible: list[str] | None) -> str | None:
+    """The admissible action equal to `action` after `normalize_action`, else None."""
+    wanted = normalize_action(action)
+    for candidate in admissible or []:
+        if normalize_action(candidate) == wanted:
+            return candidate
+    return None
+
+
 class EnvPool:
     """Env instances kept for reuse across rollouts. Some adapters are costly to create
     (a TextWorldExpress adapter starts a JVM), so a run creates each instance once and

@@ -63,7 +63,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterator
 
-from recursa.envs.base import StepResult, split_of
+from recursa.envs.base import StepResult, match_admissible, one_line, split_of
 from recursa.errors import UserError
 
 try:  # POSIX: one generator per game across processes; elsewhere atomic renames only
@@ -299,14 +299,6 @@ def _generator(name: str) -> str:
     raise UserError(f"unknown TextWorld generator {name!r}{hint}; generators: {', '.join(GENERATORS)}")
 
 
-def _one_line(text: str) -> str:
-    return " ".join(str(text).split())
-
-
-def _norm(action: str) -> str:
-    return " ".join(str(action).lower().split())
-
-
 _END = re.compile(r"\s*\*\*\* The End \*\*\*.*", re.DOTALL)
 
 
@@ -399,7 +391,7 @@ class TextWorldEnv:
         self._state = self._env.reset()
         self._steps = 0
         self._done = False
-        self.task = _one_line(self._state["objective"] or "")
+        self.task = one_line(self._state["objective"] or "")
         description = _clean(self._state["description"] or "")
         return f"{self.task}\n\n{description}" if self.task else description
 
@@ -409,11 +401,7 @@ class TextWorldEnv:
         return list(self._state["admissible_commands"] or [])
 
     def _match(self, action: str) -> str | None:
-        wanted = _norm(action)
-        for candidate in self.admissible_actions() or []:
-            if _norm(candidate) == wanted:
-                return candidate
-        return None
+        return match_admissible(action, self.admissible_actions())
 
     def _info(self, invalid: bool, action: str | None) -> dict[str, Any]:
         state = self._state

@@ -48,7 +48,7 @@ import re
 import shutil
 from typing import Any
 
-from recursa.envs.base import SPLIT_SIZE, StepResult, split_of
+from recursa.envs.base import SPLIT_SIZE, StepResult, match_admissible, one_line, split_of
 from recursa.errors import UserError
 
 __all__ = ["FOLDS", "TWXEnv", "game_names", "twx_fold_and_seed"]
@@ -77,14 +77,6 @@ def twx_fold_and_seed(seed: int) -> tuple[str, int]:
     """(TWX gameFold, TWX seed) for a recursa seed: the fold of its split, its index in it."""
     split = split_of(seed)
     return FOLDS[split], seed - SPLIT_SIZE * ("train", "gate", "test").index(split)
-
-
-def _one_line(text: str) -> str:
-    return " ".join(str(text).split())
-
-
-def _norm(action: str) -> str:
-    return " ".join(str(action).lower().split())
 
 
 def _param_string(game: str, params: dict[str, Any]) -> str:
@@ -222,7 +214,7 @@ class TWXEnv:
         self._history = []
         self._steps = 0
         self._done = False
-        self.task = _one_line(infos.get("taskDescription", ""))
+        self.task = one_line(infos.get("taskDescription", ""))
         return f"{self.task}\n\n{str(infos['observation']).strip()}"
 
     def admissible_actions(self) -> list[str] | None:
@@ -231,11 +223,7 @@ class TWXEnv:
         return sorted({str(a) for a in self._infos.get("validActions", []) if str(a).strip()})
 
     def _match(self, action: str) -> str | None:
-        wanted = _norm(action)
-        for candidate in self.admissible_actions() or []:
-            if _norm(candidate) == wanted:
-                return candidate
-        return None
+        return match_admissible(action, self.admissible_actions())
 
     def _info(self, invalid: bool, won: bool, lost: bool, action: str | None) -> dict[str, Any]:
         infos = self._infos or {}
