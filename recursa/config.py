@@ -98,6 +98,7 @@ class TrainConfig(_Section):
     )
     logit_chunk: int = Field(512, gt=0, description="positions per chunk of the vocabulary projection")
     shared_prefix: bool = Field(True, description="run each distinct prompt once per micro-batch in the update (same gradient, less work)")
+    skip_zero_advantage: bool = Field(True, description="skip forward/backward of rows whose advantage is 0 when there is no KL term (same gradient, less work)")
     seed: int = Field(0, description="seed for task order, sampling and shuffling")
 
 

@@ -122,3 +122,26 @@ def test_shared_prefix_update_equals_naive_update():
     assert shared.keys() == naive.keys() and shared
     for k in shared:
         assert (shared[k] - naive[k]).norm() <= 1e-4 * naive[k].norm() + 1e-7, k
+
+
+def test_skipping_zero_advantage_rows_keeps_the_gradient():
+    policy = load_policy(ModelConfig(name="tiny-random"))
+    batch = _batch(policy, n_prompts=3, g=4)
+    batch.advantages[4:8] = 0.0  # one zero-variance group
+    batch.advantages[1] = 0.0
+    for agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
+        skip = _grads_after(policy, batch, _cfg(f"algo.agg={agg}", "train.skip_zero_advantage=true", "train.micro_batch_size=5"))
+        full = _grads_after(policy, batch, _cfg(f"algo.agg={agg}", "train.skip_zero_advantage=false", "train.micro_batch_size=5"))
+        assert skip.keys() == full.keys() and skip
+        for k in skip:
+            assert (skip[k] - full[k]).norm() <= 1e-5 * full[k].norm() + 1e-8, (agg, k)
+    st = update(policy, torch.optim.AdamW(policy.causal_lm.parameters(), lr=1e-3), batch, _cfg(), torch.Generator().manual_seed(0), 0)
+    assert st.rows_run == 12 - 5
+
+
+def test_all_zero_advantages_still_step_without_running_rows():
+    policy = load_policy(ModelConfig(name="tiny-random"))
+    batch = _batch(policy)
+    batch.advantages.zero_()
+    st = update(policy, torch.optim.AdamW(policy.causal_lm.parameters(), lr=1e-3), batch, _cfg(), torch.Generator().manual_seed(0), 0)
+    assert st.rows_run == 0 and st.opt_steps == 1 and st.grad_norm == 0.0

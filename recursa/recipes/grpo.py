@@ -78,6 +78,7 @@ class UpdateStats:
     entropy: float = 0.0
     grad_norm: float = 0.0
     opt_steps: int = 0
+    rows_run: int = 0  # rows forwarded (summed over epochs); fewer than rows x epochs when zero-advantage rows are skipped
 
 
 def update(
@@ -109,6 +110,7 @@ def update(
     model.train()
     out = UpdateStats()
     n_stats = 0
+    ent_sum, ent_tokens = 0.0, 0.0
     logprobs = shared_prefix_logprobs if tc.shared_prefix else sequence_logprobs
     groups = prompt_groups(batch)
     for _ in range(tc.epochs):
@@ -120,8 +122,16 @@ def update(
             for g in optimizer.param_groups:
                 g["lr"] = lr_at(cfg, opt_step)
             optimizer.zero_grad(set_to_none=True)
-            for lo in range(0, len(mb_idx), tc.micro_batch_size):
-                idx = mb_idx[lo : lo + tc.micro_batch_size]
+            # Rows with zero advantage add nothing to the policy gradient (their clipped
+            # surrogate is 0 whatever the ratio), so without a KL term they are not run at
+            # all; they still count in the aggregation's denominators, so the gradient is
+            # exactly the full batch's. Zero-variance groups are common late in training.
+            work = mb_idx
+            if tc.skip_zero_advantage and ac.kl_coef == 0:
+                work = mb_idx[batch.advantages[mb_idx] != 0]
+            out.rows_run += len(work)
+            for lo in range(0, len(work), tc.micro_batch_size):
+                idx = work[lo : lo + tc.micro_batch_size]
                 mb = batch.select(idx)
                 logp, ent = logprobs(model, mb.input_ids, mb.attention_mask, mb.action_mask, temperature, tc.logit_chunk, with_entropy=True)
                 L = logp.shape[1]
@@ -149,15 +159,21 @@ def update(
                 out.kl += st["kl"] * w
                 out.approx_kl_old += st["approx_kl_old"] * w
                 out.ratio_max = max(out.ratio_max, st["ratio_max"])
-                out.entropy += float((ent * mb.action_mask).sum().item()) / max(num_tokens, 1)
+                ent_sum += float((ent * mb.action_mask).sum().item())
+                ent_tokens += float(mb.action_mask.sum().item())
+            if len(work) == 0:  # nothing to run: the gradient is exactly zero (AdamW still steps)
+                for p in model.parameters():
+                    if p.requires_grad:
+                        p.grad = torch.zeros_like(p)
             grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], tc.max_grad_norm)
             optimizer.step()
             opt_step += 1
             out.grad_norm += float(grad_norm)
             out.opt_steps += 1
             n_stats += 1
-    for name in ("loss", "clip_frac", "kl", "approx_kl_old", "entropy", "grad_norm"):
+    for name in ("loss", "clip_frac", "kl", "approx_kl_old", "grad_norm"):
         setattr(out, name, getattr(out, name) / max(n_stats, 1))
+    out.entropy = ent_sum / ent_tokens if ent_tokens else float("nan")  # over the rows run
     return out
 
 
@@ -325,6 +341,7 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
             "policy/clip_frac": st.clip_frac,
             "policy/ratio_max": st.ratio_max,
             "policy/entropy": st.entropy,
+            "batch/rows_run_frac": st.rows_run / max(len(trajs) * cfg.train.epochs, 1),
             "policy/grad_norm": st.grad_norm,
             "policy/lr": lr_at(cfg, opt_step - 1),
             "completion/len_mean": lengths.mean().item(),
