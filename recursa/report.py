@@ -237,6 +237,13 @@ def _make_plots(records: Sequence[dict], plot_dir: Path) -> list[tuple[str, Path
                 "Step time: rollout vs update", "seconds",
             ),
         ),
+        (
+            "Episodes (multi-turn games)",
+            _line_plot(
+                records, ["episode/success_rate", "episode/invalid_rate"], plot_dir / "episodes.png",
+                "Training episodes: success and invalid-action rate", "rate",
+            ),
+        ),
     ]
     return [(caption, p) for caption, p in made if p is not None]
 

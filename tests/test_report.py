@@ -163,3 +163,17 @@ def test_load_eval_roundtrip(tmp_path):
     path = tmp_path / "e.json"
     path.write_text(json.dumps(data))
     assert load_eval(path) == data
+
+
+def test_episode_plot_only_for_multiturn_runs(tmp_path):
+    run = tmp_path / "game"
+    run.mkdir()
+    rows = [{"step": k, "reward/mean": 0.1 * k, "episode/success_rate": 0.1 * k, "episode/invalid_rate": 1 - 0.2 * k} for k in (1, 2, 3)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    report = write_report(run).read_text()
+    assert (run / "plots" / "episodes.png").stat().st_size > 0 and "plots/episodes.png" in report
+    single = tmp_path / "single"
+    single.mkdir()
+    (single / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward/mean": 0.5}) + "\n")
+    write_report(single)
+    assert not (single / "plots" / "episodes.png").exists()
