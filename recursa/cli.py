@@ -87,7 +87,7 @@ def cmd_train(args) -> int:
 
 
 def _eval_source(args):
-    """(ModelConfig, weights_dir, env name, env kwargs, system prompt, max_new_tokens, stop)."""
+    """(config, model config, weights dir or None, env name, env kwargs, max_new_tokens)."""
     from recursa.config import ModelConfig, load_config
 
     cfg = None

@@ -138,8 +138,6 @@ class GRPOConfig(_Section):
         n = self.train.prompts_per_step * self.train.group_size
         if n % self.train.mini_batches:
             raise ValueError(f"train.prompts_per_step * train.group_size = {n} must be divisible by train.mini_batches = {self.train.mini_batches}")
-        if self.algo.agg == "seq-mean-token-sum-norm" and self.sampling.max_new_tokens <= 0:
-            raise ValueError("seq-mean-token-sum-norm needs sampling.max_new_tokens > 0")
         if self.sampling.temperature == 0:
             raise ValueError("sampling.temperature must be > 0 for training (greedy rollouts give no exploration)")
         return self

@@ -23,7 +23,7 @@ log softmax(z).
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -50,7 +50,6 @@ class GenerationStats:
     prefill_tokens: int = 0
     decode_tokens: int = 0  # token positions run through the model while decoding
     generated_tokens: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 def _cache_kwarg(module: torch.nn.Module) -> str:

@@ -212,7 +212,8 @@ def _resolve_dir(name: str) -> str:
         if not (path / "config.json").exists():
             raise UserError(f"model directory {path} has no config.json: point model.name at a Hugging Face model folder")
         return str(path)
-    if name.startswith((".", "/", "~")) or os.sep in name and name.count("/") != 1:
+    looks_like_path = name.startswith((".", "/", "~")) or name.count("/") > 1
+    if looks_like_path:  # hub ids are "owner/name"
         raise UserError(f"model path {name} does not exist: fix model.name or use {EMBEDDED_NAME!r}")
     return name  # a hub id; loading fails with a clear message when offline
 

@@ -63,9 +63,11 @@ def rollout(
     batches of `batch_size` distinct seeds (all at once by default). An env's own
     `system_prompt` takes precedence over the `system_prompt` argument."""
     tok = policy.tokenizer
-    envs = as_pool(envs).take(len(seeds))
-    observations = [env.reset(seed) for env, seed in zip(envs, seeds)]
-    prompts = [render_prompt(tok, obs, system_prompt_of(env) or system_prompt) for env, obs in zip(envs, observations)]
+    episode_envs = as_pool(envs).take(len(seeds) * group_size)  # env i*G+k plays sample k of seed i
+    episode_obs = [env.reset(seeds[j // group_size]) for j, env in enumerate(episode_envs)]
+    observations = episode_obs[::group_size]  # one item per seed, the same for its whole group
+    firsts = episode_envs[::group_size]
+    prompts = [render_prompt(tok, obs, system_prompt_of(env) or system_prompt) for env, obs in zip(firsts, observations)]
     stats = GenerationStats()
     step = batch_size or len(prompts)
     samples = []
@@ -73,14 +75,12 @@ def rollout(
         chunk = generate(policy.causal_lm, tok, prompts[start : start + step], sampling, n=group_size, generator=generator, stats=stats)
         for s in chunk:
             s.prompt_index += start
-        samples.extend(chunk)
+        samples.extend(chunk)  # sample k of prompt i lands at i*G + k
 
     trajectories = []
-    for s in samples:
+    for env, s in zip(episode_envs, samples):
         i = s.prompt_index
-        env = envs[i]
         text = _completion_text(tok, s.token_ids)
-        env.reset(seeds[i])  # single-turn: every sample of the group answers the same item
         result = env.step(text)
         prompt = prompts[i]
         trajectories.append(

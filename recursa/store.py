@@ -91,11 +91,6 @@ class RunStore:
             for s in samples:
                 f.write(json.dumps({"step": step, **s}) + "\n")
 
-    def read_metrics(self) -> list[dict]:
-        if not self.metrics_path.exists():
-            return []
-        return [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()]
-
     def truncate_after(self, step: int) -> None:
         """Drop every log line and ledger row with a step greater than `step`."""
         for path in (self.metrics_path, self.samples_path):

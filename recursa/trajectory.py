@@ -54,10 +54,6 @@ class TrainBatch:
     advantages: torch.Tensor  # (N,) float, outcome advantage per sequence
     rewards: torch.Tensor  # (N,) float
 
-    @property
-    def num_tokens(self) -> int:
-        return int(self.action_mask.sum().item())
-
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 

@@ -96,22 +96,22 @@ def update(
     n = len(batch)
     mb_size = n // tc.mini_batches
     single_update = tc.epochs == 1 and tc.mini_batches == 1
+    logprobs = shared_prefix_logprobs if tc.shared_prefix else sequence_logprobs
     if tc.old_logprobs == "sampling":
         logp_old_all = batch.sample_logprobs
     elif single_update:
         logp_old_all = None  # on-policy: the current forward, detached, is the old policy
     else:
-        logp_old_all = _score(model, batch, temperature, tc.micro_batch_size, tc.logit_chunk)
+        logp_old_all = _score(logprobs, model, batch, temperature, tc.micro_batch_size, tc.logit_chunk)
     logp_ref_all = None
     if ac.kl_coef > 0:
         with policy.reference_context() as ref:
-            logp_ref_all = _score(ref, batch, temperature, tc.micro_batch_size, tc.logit_chunk)
+            logp_ref_all = _score(logprobs, ref, batch, temperature, tc.micro_batch_size, tc.logit_chunk)
 
     model.train()
     out = UpdateStats()
     n_stats = 0
     ent_sum, ent_tokens = 0.0, 0.0
-    logprobs = shared_prefix_logprobs if tc.shared_prefix else sequence_logprobs
     groups = prompt_groups(batch)
     for _ in range(tc.epochs):
         # shuffle whole prompt groups, so the rows of a group share micro-batches (and prefills)
@@ -217,14 +217,15 @@ def prompt_groups(batch: TrainBatch) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-def _score(model, batch: TrainBatch, temperature: float, micro: int, chunk: int) -> torch.Tensor:
-    """Log-probs of the batch's action tokens under `model`, (N, L), no gradient."""
+def _score(logprobs, model, batch: TrainBatch, temperature: float, micro: int, chunk: int) -> torch.Tensor:
+    """Log-probs of the batch's action tokens under `model` with the update's own
+    log-prob function, (N, L), no gradient."""
     model.eval()
     out = torch.zeros_like(batch.sample_logprobs)
     for lo in range(0, len(batch), micro):
         idx = torch.arange(lo, min(lo + micro, len(batch)))
         mb = batch.select(idx)
-        logp, _ = shared_prefix_logprobs(model, mb.input_ids, mb.attention_mask, mb.action_mask, temperature, chunk)
+        logp, _ = logprobs(model, mb.input_ids, mb.attention_mask, mb.action_mask, temperature, chunk)
         out[idx, : logp.shape[1]] = logp
     return out
 
