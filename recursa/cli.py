@@ -50,13 +50,19 @@ class _Progress:
             self._rich.stop()
 
 
+def _recipe_train(name: str):
+    """The `train` function of a recipe module (imported only when used)."""
+    import importlib
+
+    return importlib.import_module(f"recursa.recipes.{name}").train
+
+
 def cmd_train(args) -> int:
-    from recursa.config import describe, load_config
-    from recursa.recipes.grpo import train
+    from recursa.config import RECIPES, describe, load_config
     from recursa.report import write_report
 
     if args.help_config:
-        print("\n".join(describe()))
+        print("\n".join(describe(RECIPES[args.recipe])))
         return 0
     if args.resume:
         run_dir = Path(args.resume)
@@ -78,7 +84,7 @@ def cmd_train(args) -> int:
     console = _console()
     progress = _Progress()
     try:
-        train(cfg, out, resume=bool(args.resume), progress=progress, log=console.print)
+        _recipe_train(cfg.recipe)(cfg, out, resume=bool(args.resume), progress=progress, log=console.print)
     finally:
         progress.stop()
     report = write_report(out)
@@ -231,13 +237,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--debug", action="store_true", help="show tracebacks for user errors")
     sub = p.add_subparsers(dest="command", required=True)
 
-    t = sub.add_parser("train", help="train a policy with a recipe config (TOML)")
+    t = sub.add_parser("train", help="train a policy with a recipe config (TOML): grpo, sft or rft (expert iteration)")
     t.add_argument("config", nargs="?", help="recipe config, e.g. examples/smoke.toml")
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value, e.g. --set train.lr=1e-5 (repeatable)")
     t.add_argument("--out", help="run directory (default: run.out from the config)")
     t.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
     t.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
-    t.add_argument("--help-config", action="store_true", help="list every config key with its default and meaning")
+    t.add_argument("--help-config", action="store_true", help="list every config key of --recipe with its default and meaning")
+    t.add_argument("--recipe", default="grpo", choices=["grpo", "sft", "rft"], help="the recipe --help-config describes (a config file names its own)")
     t.set_defaults(func=cmd_train)
 
     e = sub.add_parser("eval", help="evaluate a model or a run's checkpoint on held-out items")

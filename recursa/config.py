@@ -80,32 +80,45 @@ class AlgoConfig(_Section):
     gigpo_norm: Literal["std", "none"] = Field("std", description="normalise step advantages by the step group's std, or only centre them")
 
 
-class TrainConfig(_Section):
-    steps: int = Field(10, ge=0, description="training steps (rollout + update)")
-    prompts_per_step: int = Field(8, gt=0, description="B: distinct tasks per step")
-    group_size: int = Field(8, ge=2, description="G: samples per task (the advantage group)")
-    epochs: int = Field(1, gt=0, description="optimisation passes over each rollout batch")
-    mini_batches: int = Field(1, gt=0, description="optimizer steps per epoch (the batch is split into this many)")
+class OptimConfig(_Section):
+    """Optimizer and batching settings shared by every recipe."""
+
     micro_batch_size: int = Field(16, gt=0, description="sequences per forward/backward (gradient accumulation)")
     lr: float = Field(1e-5, gt=0, description="AdamW learning rate")
     warmup_steps: int = Field(0, ge=0, description="linear warm-up of the learning rate, in optimizer steps")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
     max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping by global norm")
+    logit_chunk: int = Field(512, gt=0, description="positions per chunk of the vocabulary projection")
+    seed: int = Field(0, description="seed for task order, sampling and shuffling")
+
+
+class TrainConfig(OptimConfig):
+    steps: int = Field(10, ge=0, description="training steps (rollout + update)")
+    prompts_per_step: int = Field(8, gt=0, description="B: distinct tasks per step")
+    group_size: int = Field(8, ge=2, description="G: samples per task (the advantage group)")
+    epochs: int = Field(1, gt=0, description="optimisation passes over each rollout batch")
+    mini_batches: int = Field(1, gt=0, description="optimizer steps per epoch (the batch is split into this many)")
     old_logprobs: Literal["recompute", "sampling"] = Field(
         "recompute",
         description="old log-probs for the PPO ratio: recomputed by the trainer (free when there is one optimizer step per batch) or the sampler's",
     )
-    logit_chunk: int = Field(512, gt=0, description="positions per chunk of the vocabulary projection")
     shared_prefix: bool = Field(True, description="run each distinct prompt once per micro-batch in the update (same gradient, less work)")
     skip_zero_advantage: bool = Field(True, description="skip forward/backward of rows whose advantage is 0 when there is no KL term (same gradient, less work)")
-    seed: int = Field(0, description="seed for task order, sampling and shuffling")
+
+
+class SupervisedConfig(OptimConfig):
+    """Fine-tuning on demonstrations (SFT) or on kept successes (expert iteration)."""
+
+    lr: float = Field(3e-5, gt=0, description="AdamW learning rate")
+    epochs: int = Field(2, gt=0, description="passes over the demonstrations (per round, in expert iteration)")
+    batch_size: int = Field(32, gt=0, description="rows (turns, for games) per optimizer step")
 
 
 class EvalConfig(_Section):
     split: Literal["gate", "test"] = Field("test", description="held-out seed range")
     n: int = Field(200, ge=0, description="held-out items (greedy decoding)")
-    every: int = Field(0, ge=0, description="evaluate every N steps (0 = only before and after)")
+    every: int = Field(0, ge=0, description="evaluate every N steps (GRPO steps, SFT epochs, expert-iteration rounds; 0 = only before and after)")
     before: bool = Field(True, description="evaluate before training (eval/before.json)")
     after: bool = Field(True, description="evaluate after training (eval/after.json)")
     batch_size: int = Field(64, gt=0, description="prompts per generation batch")
@@ -114,16 +127,30 @@ class EvalConfig(_Section):
 
 class RunConfig(_Section):
     out: str = Field("runs/grpo", description="run directory (overridden by --out)")
-    checkpoint_every: int = Field(0, ge=0, description="save a checkpoint every N steps (0 = only at the end)")
+    checkpoint_every: int = Field(0, ge=0, description="save a checkpoint every N steps (GRPO steps, SFT epochs, expert-iteration rounds; 0 = only at the end)")
     log_samples: int = Field(4, ge=0, description="sample completions written to samples.jsonl per step")
     threads: int = Field(2, gt=0, description="torch CPU threads")
     tensorboard: bool = Field(False, description="also write TensorBoard event files (needs tensorboard)")
+
+
+class InitConfig(_Section):
+    """Where the weights start: the model's own, or a finished run's (a warm start)."""
+
+    from_run: str | None = Field(None, description="start from this run directory's weights (e.g. an SFT run), instead of the model's")
+    checkpoint: str = Field("last", description="which checkpoint of from_run: 'last' or a step number")
+
+    @model_validator(mode="after")
+    def _check(self) -> "InitConfig":
+        if self.checkpoint != "last" and not self.checkpoint.isdigit():
+            raise ValueError(f"init.checkpoint must be 'last' or a step number, got {self.checkpoint!r}")
+        return self
 
 
 class GRPOConfig(_Section):
     """The GRPO-family recipe (`recursa/recipes/grpo.py`)."""
 
     recipe: Literal["grpo"] = "grpo"
+    init: InitConfig = Field(default_factory=InitConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     env: EnvConfig = Field(default_factory=EnvConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
@@ -143,7 +170,76 @@ class GRPOConfig(_Section):
         return self
 
 
-RECIPES: dict[str, type[BaseModel]] = {"grpo": GRPOConfig}
+class DataConfig(_Section):
+    """Demonstrations for SFT (built by `recursa/demos.py`, training seeds only)."""
+
+    source: Literal["auto", "walkthrough", "reference", "jsonl"] = Field(
+        "auto",
+        description="walkthrough: a game's oracle play; reference: a single-turn task's reference answer; jsonl: chat transcripts in data.path; auto: walkthrough for games, reference otherwise",
+    )
+    n: int = Field(256, ge=0, description="training items to draw demonstrations from (walkthrough, reference)")
+    start: int = Field(0, ge=0, description="index of the first training item (items start .. start + n - 1 of the train split)")
+    path: str | None = Field(None, description="JSONL file of {\"messages\": [...], \"seed\": optional} for source = 'jsonl'")
+
+    @model_validator(mode="after")
+    def _check(self) -> "DataConfig":
+        if self.source == "jsonl" and not self.path:
+            raise ValueError("data.source = 'jsonl' needs data.path, a JSONL file of chat transcripts")
+        return self
+
+
+class SFTConfig(_Section):
+    """Supervised fine-tuning on demonstrations (`recursa/recipes/sft.py`)."""
+
+    recipe: Literal["sft"] = "sft"
+    init: InitConfig = Field(default_factory=InitConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="completion cap and stop strings of the evaluations")
+    agent: AgentConfig = Field(default_factory=AgentConfig)
+    train: SupervisedConfig = Field(default_factory=SupervisedConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    run: RunConfig = Field(default_factory=lambda: RunConfig(out="runs/sft"))
+
+
+class ExpertIterationConfig(_Section):
+    """Sample, keep what succeeded, fine-tune on it, repeat."""
+
+    rounds: int = Field(4, ge=0, description="rounds of sample -> filter -> fine-tune")
+    tasks_per_round: int = Field(16, gt=0, description="B: training tasks sampled per round")
+    group_size: int = Field(4, ge=1, description="G: attempts per task (the budget of a round is B x G episodes)")
+    per_task_cap: int = Field(2, ge=0, description="keep at most this many successes per task and round (0 = no cap), so easy tasks do not crowd out rare successes on hard ones; 1 = best-of-G")
+    dedupe: bool = Field(True, description="drop repeated identical solutions of a task before the cap")
+    revisit_frac: float = Field(0.25, ge=0, le=1, description="share of each round's tasks re-drawn from earlier unsolved tasks (hard tasks are sampled more often)")
+    max_revisits: int = Field(2, ge=0, description="an unsolved task is re-drawn at most this many times")
+    accumulate: bool = Field(False, description="fine-tune on every round's kept successes so far, not only this round's")
+    drop_invalid_turns: bool = Field(True, description="games: do not imitate turns whose action was invalid (they did not change the game)")
+
+
+class RFTConfig(_Section):
+    """Expert iteration / rejection-sampling fine-tuning (`recursa/recipes/rft.py`)."""
+
+    recipe: Literal["rft"] = "rft"
+    init: InitConfig = Field(default_factory=InitConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    agent: AgentConfig = Field(default_factory=AgentConfig)
+    rft: ExpertIterationConfig = Field(default_factory=ExpertIterationConfig)
+    train: SupervisedConfig = Field(default_factory=lambda: SupervisedConfig(epochs=1))
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    run: RunConfig = Field(default_factory=lambda: RunConfig(out="runs/rft"))
+
+    @model_validator(mode="after")
+    def _check(self) -> "RFTConfig":
+        if self.sampling.temperature == 0 and self.rft.group_size > 1:
+            raise ValueError("sampling.temperature = 0 makes every attempt of a task identical: set it > 0 or rft.group_size = 1")
+        return self
+
+
+RecipeConfig = GRPOConfig | SFTConfig | RFTConfig
+RECIPES: dict[str, type[BaseModel]] = {"grpo": GRPOConfig, "sft": SFTConfig, "rft": RFTConfig}
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
@@ -181,7 +277,7 @@ def _format_validation(exc: ValidationError, source: str) -> str:
     return f"{source}: {loc}: {msg}{got}; fix it in the file or with --set {loc}=...{more}"
 
 
-def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> GRPOConfig:
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = (), recipe: str | None = None) -> RecipeConfig:
     """Read a TOML config, apply --set overrides, validate once."""
     data: dict[str, Any] = {}
     source = "config"
@@ -197,7 +293,8 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     for item in overrides:
         key_path, value = parse_override(item)
         _set_path(data, key_path, value)
-    recipe = data.get("recipe", "grpo")
+    recipe = data.get("recipe", recipe or "grpo")
+    data["recipe"] = recipe
     if recipe not in RECIPES:
         raise UserError(f"{source}: unknown recipe {recipe!r}; choose one of {sorted(RECIPES)}")
     try:
@@ -221,16 +318,18 @@ def dump_config(cfg: BaseModel) -> str:
     return tomli_w.dumps(_drop_none(cfg.model_dump(mode="json")))
 
 
-def describe(model: type[BaseModel] = GRPOConfig, prefix: str = "") -> list[str]:
-    """One line per field: dotted key, default, description (for --help-config)."""
+def describe(model: type[BaseModel] = GRPOConfig, prefix: str = "", defaults: BaseModel | None = None) -> list[str]:
+    """One line per field: dotted key, default, description (for --help-config).
+    A section's defaults are read from the instance its parent builds, so a recipe's
+    own defaults (e.g. run.out = 'runs/sft') show."""
     lines = []
     for name, field in model.model_fields.items():
         ann = field.annotation
         key = f"{prefix}{name}"
+        default = getattr(defaults, name) if defaults is not None else field.get_default(call_default_factory=True)
         if isinstance(ann, type) and issubclass(ann, BaseModel):
-            lines.extend(describe(ann, key + "."))
+            lines.extend(describe(ann, key + ".", default))
             continue
-        default = field.get_default(call_default_factory=True)
         if isinstance(default, BaseModel):
             default = "{...}"
         lines.append(f"{key} = {default!r}  # {field.description or ''}")

@@ -218,9 +218,14 @@ def _resolve_dir(name: str) -> str:
     return name  # a hub id; loading fails with a clear message when offline
 
 
-def load_policy(cfg: "ModelConfig", weights_dir: Path | None = None) -> Policy:
-    """Load the policy described by `cfg`; `weights_dir` overrides the weights (a run's
-    checkpoint: full weights, or LoRA adapters over the configured base)."""
+def load_policy(cfg: "ModelConfig", weights_dir: Path | None = None, base_dir: Path | None = None) -> Policy:
+    """Load the policy described by `cfg`.
+
+    `base_dir` replaces the base model's weights first (a warm start from another run's
+    checkpoint: full weights, or LoRA adapters that are merged in). `weights_dir` then
+    overrides the weights (this run's checkpoint: full weights, or LoRA adapters over the
+    base). Under LoRA, the reference policy (adapters off) is the base after `base_dir`.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     _quiet_transformers()
@@ -244,18 +249,12 @@ def load_policy(cfg: "ModelConfig", weights_dir: Path | None = None) -> Policy:
     if tokenizer.chat_template is None:
         tokenizer.chat_template = CHATML_TEMPLATE
 
+    if base_dir is not None:
+        model = _load_into_base(model, Path(base_dir), cfg.name)
+    is_lora = cfg.lora is not None
     full_ckpt = weights_dir is not None and (weights_dir / "model.safetensors").exists()
     if full_ckpt:
-        from safetensors.torch import load_file
-
-        state = load_file(str(weights_dir / "model.safetensors"))
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        missing = [k for k in missing if k != "lm_head.weight"]
-        if missing or unexpected:
-            raise UserError(f"checkpoint {weights_dir} does not match model {cfg.name!r}: missing={missing[:3]} unexpected={unexpected[:3]}")
-        model.tie_weights()
-
-    is_lora = cfg.lora is not None
+        _load_full(model, weights_dir, cfg.name)
     if is_lora:
         from peft import LoraConfig, PeftModel, get_peft_model
 
@@ -271,6 +270,29 @@ def load_policy(cfg: "ModelConfig", weights_dir: Path | None = None) -> Policy:
         raise UserError(f"no model.safetensors in {weights_dir}: is this a checkpoint directory?")
     model.config.use_cache = True
     return Policy(model=model, tokenizer=tokenizer, name=cfg.name, is_lora=is_lora)
+
+
+def _load_full(model: torch.nn.Module, directory: Path, name: str) -> None:
+    from safetensors.torch import load_file
+
+    state = load_file(str(directory / "model.safetensors"))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if k != "lm_head.weight"]
+    if missing or unexpected:
+        raise UserError(f"checkpoint {directory} does not match model {name!r}: missing={missing[:3]} unexpected={unexpected[:3]}")
+    model.tie_weights()
+
+
+def _load_into_base(model: torch.nn.Module, directory: Path, name: str) -> torch.nn.Module:
+    """The base model with a checkpoint's weights: full weights loaded, adapters merged."""
+    if (directory / "model.safetensors").exists():
+        _load_full(model, directory, name)
+        return model
+    if (directory / "adapter_config.json").exists():
+        from peft import PeftModel
+
+        return PeftModel.from_pretrained(model, str(directory)).merge_and_unload()
+    raise UserError(f"no model.safetensors or adapter_config.json in {directory}: is this a checkpoint directory?")
 
 
 def save_weights(policy: Policy, directory: Path) -> None:

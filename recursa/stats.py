@@ -32,6 +32,7 @@ __all__ = [
     "mcnemar_exact",
     "paired_compare",
     "clopper_pearson",
+    "pass_at_k",
 ]
 
 # Up to this many discordant pairs the binomial tail is summed exactly with
@@ -269,3 +270,15 @@ def clopper_pearson(k: int, n: int, confidence: float = 0.95) -> tuple[float, fl
     lo = 0.0 if k == 0 else float(beta.ppf(alpha / 2.0, k, n - k + 1))
     hi = 1.0 if k == n else float(beta.ppf(1.0 - alpha / 2.0, k + 1, n - k))
     return (lo, hi)
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased estimate of pass@k from n attempts with c successes (Chen et al., 2021):
+    1 - C(n - c, k) / C(n, k), the chance that k attempts drawn without replacement from
+    the n include a success. Needs 1 <= k <= n."""
+    c, n = _check_counts(c, n)
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 1 <= k <= n = {n}, got k = {k!r}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)

@@ -5,6 +5,7 @@ RUN_DIR/
   config.toml          resolved config (every default written out)
   metrics.jsonl        one JSON object per line, {"step": k, "reward/mean": ..., ...}
   samples.jsonl        a few completions per step
+  *.jsonl              a recipe's own step-tagged logs (expert iteration: kept.jsonl, tasks.jsonl)
   eval/*.json          held-out evaluations (before.json, after.json, step_0010.json, ...)
   checkpoints/step_000010/
       model.safetensors | adapter_model.safetensors   weights (adapters only under LoRA)
@@ -91,9 +92,22 @@ class RunStore:
             for s in samples:
                 f.write(json.dumps({"step": step, **s}) + "\n")
 
+    def append_jsonl(self, name: str, step: int, records: list[dict]) -> None:
+        """Append records, each tagged with `step`, to RUN_DIR/<name>.jsonl (a recipe's own
+        log, e.g. expert iteration's kept solutions); truncated on resume like the metrics."""
+        with (self.path / f"{name}.jsonl").open("a") as f:
+            for r in records:
+                f.write(json.dumps({"step": step, **r}) + "\n")
+
+    def read_jsonl(self, name: str) -> list[dict]:
+        path = self.path / f"{name}.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
     def truncate_after(self, step: int) -> None:
-        """Drop every log line and ledger row with a step greater than `step`."""
-        for path in (self.metrics_path, self.samples_path):
+        """Drop every log line (of every RUN_DIR/*.jsonl) and ledger row with a step greater than `step`."""
+        for path in sorted(self.path.glob("*.jsonl")):
             if path.exists():
                 kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
                 path.write_text("".join(line + "\n" for line in kept))

@@ -136,6 +136,13 @@ class ArithmeticEnv:
         self._done = False
         return self.prompt_template.format(question=self._item.question)
 
+    def reference(self) -> str:
+        """A reply that solves the current item, in this env's answer format (for SFT)."""
+        if self._item is None:
+            raise RuntimeError("call reset(seed) before reference()")
+        answer = str(self._item.answer)
+        return f"<answer>{answer}</answer>" if self.answer_format == "tag" else answer
+
     def parse(self, action_text: str) -> str | None:
         """What this env reads as the answer in a reply, per `answer_format` (None: nothing)."""
         text = action_text or ""

@@ -68,7 +68,9 @@ class Env(Protocol):
 
     Implementations may also set `system_prompt: str | None`, the system message the
     rollout should use (None: the rollout's short default); read it with
-    `system_prompt_of(env)`. Single-turn tasks end on the first step (done=True).
+    `system_prompt_of(env)`. Single-turn tasks end on the first step (done=True). A
+    single-turn env may offer `reference() -> str | None`, a reply that solves the item
+    just reset (SFT's demonstrations; `recursa.demos` checks that it scores).
     """
 
     name: str

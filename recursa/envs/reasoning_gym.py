@@ -211,6 +211,14 @@ class ReasoningGymEnv:
         self._current = _Current(seed, ds, entry)
         return self.observation(entry)
 
+    def reference(self) -> str | None:
+        """The dataset's reference answer for the current item in <answer> tags (for SFT;
+        None when the item has none). Demonstration builders check that it scores."""
+        if self._current is None:
+            raise RuntimeError("call reset(seed) before reference()")
+        answer = self._current.entry.get("answer")
+        return None if answer is None else f"<answer>{answer}</answer>"
+
     @staticmethod
     def parse(action_text: str) -> str | None:
         """The <answer> tag content, else the stripped last non-empty line, else None."""

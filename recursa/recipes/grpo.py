@@ -30,42 +30,18 @@ from recursa.algorithms.gigpo import step_advantages
 from recursa.algorithms.losses import ppo_clip_loss
 from recursa.config import GRPOConfig, dump_config
 from recursa.envs import EnvPool, make_env, split_seed
-from recursa.evaluate import EvalResult, evaluate
 from recursa.generation import SamplingParams, prefix_lengths, sequence_logprobs, shared_prefix_logprobs
 from recursa.models import Policy, count_parameters, load_policy
+from recursa.recipes.common import Progress, init_weights_dir, lr_at, make_optimizer, run_eval, step_generator
 from recursa.rollout import is_agent_env, rollout, rollout_episodes
 from recursa.store import RunStore
 from recursa.trajectory import Episode, TrainBatch, Trajectory, collate
-
-Progress = Callable[[str, int, int], None]  # (phase, done, total)
-
-
-def step_generator(seed: int, step: int) -> torch.Generator:
-    """The generator for every random draw of training step `step`."""
-    return torch.Generator().manual_seed(seed * 1_000_003 + step)
-
 
 def train_seeds(cfg: GRPOConfig, step: int) -> list[int]:
     """B training-task seeds for `step`: a seeded shuffle of the train range, disjoint
     from every held-out range by construction."""
     rng = random.Random(cfg.train.seed * 7919 + step)
     return [split_seed("train", rng.randrange(10_000_000)) for _ in range(cfg.train.prompts_per_step)]
-
-
-def lr_at(cfg: GRPOConfig, opt_step: int) -> float:
-    """Constant learning rate after a linear warm-up over `train.warmup_steps` optimizer steps."""
-    if cfg.train.warmup_steps and opt_step < cfg.train.warmup_steps:
-        return cfg.train.lr * (opt_step + 1) / cfg.train.warmup_steps
-    return cfg.train.lr
-
-
-def make_optimizer(params: list[torch.nn.Parameter], cfg: GRPOConfig) -> torch.optim.Optimizer:
-    """AdamW, with the fused kernel where this torch build has one (same update, one pass)."""
-    kwargs = dict(lr=cfg.train.lr, betas=cfg.train.betas, weight_decay=cfg.train.weight_decay)
-    try:
-        return torch.optim.AdamW(params, fused=True, **kwargs)
-    except (RuntimeError, TypeError, ValueError):
-        return torch.optim.AdamW(params, **kwargs)
 
 
 @dataclass
@@ -230,49 +206,23 @@ def _score(logprobs, model, batch: TrainBatch, temperature: float, micro: int, c
     return out
 
 
-def run_eval(policy: Policy, cfg: GRPOConfig, pool: EnvPool, store: RunStore, step: int, label: str, progress: Progress | None) -> EvalResult:
-    ec = cfg.eval
-    result = evaluate(
-        policy,
-        pool,
-        cfg.env.name,
-        ec.split,
-        ec.n,
-        ec.max_new_tokens or cfg.sampling.max_new_tokens,
-        cfg.model.system_prompt or None,
-        batch_size=ec.batch_size,
-        stop=tuple(cfg.sampling.stop),
-        label=label,
-        progress=(lambda d, t: progress(f"eval {label}", d, t)) if progress else None,
-        agent=cfg.agent,
-    )
-    path = store.path / "eval" / f"{label}.json"
-    result.save(path)
-    store.record_eval(step, label, result, path)
-    lo, hi = result.ci95
-    store.log_metrics(step, {
-        "eval/success_rate": result.success_rate, "eval/ci95_lo": lo, "eval/ci95_hi": hi, "eval/mean_reward": result.mean_reward,
-        "eval/mean_steps": result.mean_steps, "eval/invalid_rate": result.invalid_rate, "eval/n": result.n, "time/eval_s": result.seconds,
-    })
-    return result
-
-
 def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress | None = None, log: Callable[[str], None] = print) -> Path:
     """Run the recipe into `out` (continuing from its last checkpoint when `resume`)."""
     torch.set_num_threads(cfg.run.threads)
     torch.manual_seed(cfg.train.seed)
     pool = EnvPool(lambda: make_env(cfg.env.name, **cfg.env.kwargs))  # env instances, reused all run
     multi_turn = is_agent_env(pool.take(1)[0])  # also fails fast on a bad task spec
+    init_dir = init_weights_dir(cfg)  # a warm start (e.g. an SFT run), or None
     store = RunStore(out, tensorboard=cfg.run.tensorboard)
     ckpt = store.latest_checkpoint() if resume else None
     if not resume:
         (out / "config.toml").write_text(dump_config(cfg))
 
-    policy = load_policy(cfg.model, weights_dir=ckpt)
+    policy = load_policy(cfg.model, weights_dir=ckpt, base_dir=init_dir)
     if cfg.algo.kl_coef > 0:
         if ckpt is not None and not policy.is_lora:
-            # the reference is the initial policy, not the checkpoint
-            init = load_policy(cfg.model)
+            # the reference is the initial policy (the warm start, if any), not the checkpoint
+            init = load_policy(cfg.model, base_dir=init_dir)
             init.enable_reference()
             policy.reference = init.reference
         else:
@@ -290,7 +240,8 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
         store.truncate_after(0)
         log(f"no checkpoint in {out}: starting from step 0")
     total, trainable = count_parameters(policy.model)
-    log(f"model {cfg.model.name}: {total / 1e6:.1f}M parameters, {trainable / 1e6:.1f}M trainable; task {cfg.env.name}")
+    start_from = f" from {init_dir}" if init_dir is not None else ""
+    log(f"model {cfg.model.name}{start_from}: {total / 1e6:.1f}M parameters, {trainable / 1e6:.1f}M trainable; task {cfg.env.name}")
 
     if start_step == 0 and cfg.eval.before and cfg.eval.n > 0 and not (out / "eval" / "before.json").exists():
         r = run_eval(policy, cfg, pool, store, 0, "before", progress)
@@ -336,6 +287,7 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
             "reward/success_rate": sum(t.success for t in trajs) / len(trajs),
             "reward/zero_std_groups": zero_var.item(),
             "advantage/abs_mean": advantages.abs().mean().item(),
+            "budget/episodes": (step + 1) * B * G,
             "loss/policy": st.loss,
             "policy/kl": st.kl,
             "policy/approx_kl_old": st.approx_kl_old,

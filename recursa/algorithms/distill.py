@@ -1,0 +1,427 @@
+"""Self-teacher math of the RSIPO recipe: teacher log-prob shift, its normalisation,
+token advantages, imitation gates and weights, and the replay reward of written skills.
+
+Shapes: N trajectories (rows), L token positions.  ``mask  # (N, L)`` is 1 (or True)
+at the action tokens -- the tokens the policy sampled and is trained on -- and 0 at
+prompt, padding and environment tokens; it is treated as binary, and values off the
+mask are never read (NaN there does not propagate).
+
+Self-teacher shift (RSIPO spec; the re-scoring of OPID, Yang et al. 2026,
+arXiv:2606.26790).  The sampled action tokens a_t are scored twice by the behaviour
+policy, once with a retrieved skill s inserted into the context:
+
+    Delta_t = log pi_old(a_t | context + s) - log pi_old(a_t | context)
+
+The caller aligns both log-prob rows on the same action positions (the skill moves the
+tokens in the teacher's context, not the tokens that are scored).  Delta > 0 means the
+skill makes the sampled token more likely: the self-teacher endorses it.
+
+Normalisation psi(Delta): divide by a robust batch scale over the masked tokens,
+    "std"   unbiased std of the masked Delta (Bessel correction, as in ``grpo``),
+    "mad"   1.4826 * median(|Delta - median(Delta)|)  (the std of a normal sample),
+    "none"  1,
+floored at eps; clip to [-clip, clip]; multiply the negative values by
+``negative_scale`` (< 1 softens the teacher's rejections, as SDAR does with its
+sigmoid gate, Lu et al. 2026, arXiv:2605.15155).  Delta is *not* centred: its sign is
+the teacher's verdict and must survive.  With fewer than 2 masked tokens the std is
+taken as 0, so the floor applies (and a nonzero Delta saturates at +-clip).
+
+Token advantage (RSIPO spec):
+
+    A_t = A_outcome + lam * T_g * psi_t          on action tokens, 0 elsewhere
+
+with T_g in [0, 1] the empirical-Bayes trust in the skill group's teacher
+(``recursa.algorithms.trust``).  Routing "failed" (SRPO, Li et al. 2026,
+arXiv:2604.02288) applies the teacher term only to trajectories that failed;
+successful ones keep the outcome advantage alone.  Departure from SRPO: SRPO routes
+failed samples to a logit-level distillation *loss* with entropy-aware weights; here
+the teacher enters as an advantage term (OPID) and the trust T_g plays the role of
+the reliability weight.
+
+Imitation gate (SEED-like, as the RSIPO spec names it; the same form as SDAR's gate):
+    w_t = sigmoid(Delta_t / temperature),  loss = masked mean of -w_t * log pi(a_t)
+so tokens the teacher endorses are imitated with weight > 1/2, rejected ones < 1/2.
+
+Pass-rate weights (SC-SDPO, Liu et al. 2026, arXiv:2605.27765): each trajectory of a
+group with pass rate p gets the weight sqrt(p (1 - p)) (0 for all-pass or all-fail
+groups), the factor GRPO's normalisation leaves on the per-question gradient.
+
+Skill replay reward (RSIPO spec): a written skill s is replayed on M stored
+trajectories with outcomes y_i in {+1, -1}; with D_i the mean Delta of trajectory i
+under s,
+    r(s) = (1/M) sum_i y_i * clip(D_i, -c, c)
+i.e. a skill is rewarded for raising the likelihood of successful behaviour and
+lowering that of failed behaviour.  Candidates are then penalised (over-length, invalid)
+and normalised within their group of K candidates like GRPO rewards.
+
+All inputs except the log-probs of ``imitation_loss`` are treated as constants
+(detached).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence, Union
+
+import torch
+
+from recursa.algorithms.advantages import grpo
+from recursa.algorithms.losses import aggregate
+
+__all__ = [
+    "SCALES",
+    "teacher_shift",
+    "trajectory_shift",
+    "delta_scale",
+    "psi",
+    "token_advantages",
+    "seed_imitation_weights",
+    "imitation_loss",
+    "pass_rate_weights",
+    "skill_replay_reward",
+    "skill_rewards",
+    "group_normalise",
+    "correlation",
+]
+
+SCALES: tuple[str, ...] = ("std", "mad", "none")
+MAD_TO_STD = 1.4826  # 1 / Phi^-1(3/4): MAD * this estimates the std of a normal sample
+
+Count = Union[int, float, torch.Tensor]
+
+
+def _shape(x: object) -> object:
+    """The shape of a tensor, or the type name of anything else (for error messages)."""
+    return tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+
+
+def _check_tokens(name: str, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Validate ``x  # (N, L)`` against ``mask  # (N, L)``; return the mask as bool."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"{name} must be a tensor of shape (N, L), got {_shape(x)}")
+    if not isinstance(mask, torch.Tensor) or mask.shape != x.shape:
+        raise ValueError(f"mask shape {_shape(mask)} must equal {name} shape {tuple(x.shape)}")
+    if mask.dtype == torch.bool:
+        return mask
+    if not bool(((mask == 0) | (mask == 1)).all()):
+        raise ValueError("mask must be binary (0/1 or bool), 1 at the action tokens")
+    return mask != 0
+
+
+def _check_rows(name: str, x: torch.Tensor, n: int) -> torch.Tensor:
+    """Validate a per-row tensor ``x  # (N,)``; return it as a float tensor."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 1 or x.shape[0] != n:
+        raise ValueError(f"{name} must be a tensor of shape (N,) = ({n},), got {_shape(x)}")
+    return x if x.is_floating_point() else x.to(torch.get_default_dtype())
+
+
+def _check_binary(name: str, x: torch.Tensor) -> torch.Tensor:
+    """Validate a 0/1 or bool tensor; return it as bool."""
+    if x.dtype == torch.bool:
+        return x
+    if not bool(((x == 0) | (x == 1)).all()):
+        raise ValueError(f"{name} must be bool or 0/1, got values {x.unique().tolist()}")
+    return x != 0
+
+
+def _masked(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """x where keep, exactly 0 elsewhere (NaN off the mask does not leak)."""
+    return torch.where(keep, x, torch.zeros_like(x))
+
+
+def _median(x: torch.Tensor) -> torch.Tensor:
+    """Median of a 1-D tensor, the mean of the two middle values for even sizes.
+
+    (``torch.median`` returns the lower of the two.)
+    """
+    ordered = x.sort().values
+    n = ordered.shape[0]
+    return 0.5 * (ordered[(n - 1) // 2] + ordered[n // 2])
+
+
+def teacher_shift(
+    logp_teacher: torch.Tensor, logp_student: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """Delta = logp_teacher - logp_student on action tokens, 0 elsewhere.  (N, L)
+
+    logp_teacher  # (N, L) log pi_old(a_t | context + skill), aligned on the action tokens
+    logp_student  # (N, L) log pi_old(a_t | context)
+    mask          # (N, L) 1 at action tokens
+    Returned detached: Delta is a constant (an advantage), not a path for gradients.
+    """
+    keep = _check_tokens("logp_teacher", logp_teacher, mask)
+    if logp_student.shape != logp_teacher.shape:
+        raise ValueError(
+            f"logp_student shape {tuple(logp_student.shape)} must equal logp_teacher shape "
+            f"{tuple(logp_teacher.shape)}; align both on the same action tokens"
+        )
+    delta = logp_teacher.detach() - logp_student.detach()  # (N, L)
+    return _masked(delta, keep)
+
+
+def trajectory_shift(delta: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean Delta over each row's action tokens, 0 for rows without any.  (N, L) -> (N,)"""
+    keep = _check_tokens("delta", delta, mask)
+    total = _masked(delta, keep).sum(dim=-1)  # (N,)
+    count = keep.sum(dim=-1).clamp_min(1).to(total.dtype)  # (N,)
+    return total / count
+
+
+def delta_scale(
+    delta: torch.Tensor, mask: torch.Tensor, scale: str = "std", eps: float = 1e-6
+) -> torch.Tensor:
+    """Batch scale of Delta over the masked tokens, floored at eps (see module doc).  -> ()
+
+    "std": unbiased std; "mad": 1.4826 * median absolute deviation; "none": 1.
+    """
+    if scale not in SCALES:
+        raise ValueError(f"unknown scale {scale!r}; valid choices are {list(SCALES)}")
+    if not eps > 0:
+        raise ValueError(f"eps must be > 0 (it floors the scale we divide by), got {eps}")
+    keep = _check_tokens("delta", delta, mask)
+    dtype = delta.dtype if delta.is_floating_point() else torch.get_default_dtype()
+    if scale == "none":
+        return torch.ones((), dtype=dtype, device=delta.device)
+    values = delta[keep].to(dtype)  # (M,) the masked tokens
+    if values.numel() < 2:
+        spread = torch.zeros((), dtype=dtype, device=delta.device)
+    elif scale == "std":
+        spread = values.std(correction=1)
+    else:
+        spread = MAD_TO_STD * _median((values - _median(values)).abs())
+    return spread.clamp_min(eps)
+
+
+def psi(
+    delta: torch.Tensor,
+    mask: torch.Tensor,
+    clip: float = 3.0,
+    scale: str = "std",
+    negative_scale: float = 1.0,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Scale-normalised, clipped Delta with optionally softened negatives.  (N, L) -> (N, L)
+
+    psi_t = clip(Delta_t / scale, -clip, clip), then negative values * negative_scale;
+    0 off the mask.  The scale comes from ``delta_scale`` over this call's masked tokens.
+    """
+    if not clip > 0:
+        raise ValueError(f"clip must be > 0, got {clip}; typical values 2-5 (in scale units)")
+    if not negative_scale >= 0:
+        raise ValueError(
+            f"negative_scale must be >= 0 (1 keeps the teacher's rejections, 0 drops them), "
+            f"got {negative_scale}"
+        )
+    keep = _check_tokens("delta", delta, mask)
+    normalised = delta / delta_scale(delta, keep, scale, eps)  # (N, L)
+    clipped = normalised.clamp(-clip, clip)  # (N, L)
+    softened = torch.where(clipped < 0, clipped * negative_scale, clipped)  # (N, L)
+    return _masked(softened, keep)
+
+
+def token_advantages(
+    outcome_adv: torch.Tensor,
+    psi_values: torch.Tensor,
+    trust: torch.Tensor,
+    lam: float,
+    mask: torch.Tensor,
+    route: Optional[str] = None,
+    success: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """A_t = A_outcome + lam * T * psi_t on action tokens, 0 elsewhere.  -> (N, L), shares
+
+    outcome_adv  # (N,) outcome advantage of each trajectory (grpo, rloo, ...)
+    psi_values   # (N, L) psi(Delta), see ``psi``
+    trust        # (N,) trust T_g in [0, 1] of each row's skill group
+    mask         # (N, L) 1 at action tokens
+    route        None: teacher term on every row; "failed": only on rows whose
+                 ``success  # (N,)`` is False (SRPO routing)
+    Shares (python floats, over the action tokens, 0.0 when there are none):
+    outcome_abs = mean |A_outcome|, teacher_abs = mean |lam T psi| (0 on routed-out rows),
+    teacher_share = teacher_abs / (outcome_abs + teacher_abs), 0.0 when both are 0.
+    """
+    keep = _check_tokens("psi_values", psi_values, mask)
+    n = psi_values.shape[0]
+    outcome_adv = _check_rows("outcome_adv", outcome_adv, n).detach()
+    trust = _check_rows("trust", trust, n).detach()
+    if not bool(((trust >= 0) & (trust <= 1)).all()):
+        raise ValueError(f"trust must lie in [0, 1], got {trust.tolist()}")
+    if not lam >= 0:
+        raise ValueError(f"lam must be >= 0 (the weight of the teacher term), got {lam}")
+    if route not in (None, "failed"):
+        raise ValueError(f"unknown route {route!r}; valid choices are None and 'failed'")
+    teacher_weight = lam * trust  # (N,)
+    if route == "failed":
+        if success is None:
+            raise ValueError("route='failed' needs success=..., a (N,) bool tensor per row")
+        if not isinstance(success, torch.Tensor) or success.shape != (n,):
+            raise ValueError(
+                f"success must be a bool tensor of shape (N,) = ({n},), got {_shape(success)}"
+            )
+        success = _check_binary("success", success)
+        teacher_weight = torch.where(success, torch.zeros_like(teacher_weight), teacher_weight)
+
+    outcome_part = _masked(outcome_adv.unsqueeze(-1).expand_as(psi_values), keep)  # (N, L)
+    teacher_part = _masked(teacher_weight.unsqueeze(-1) * psi_values.detach(), keep)  # (N, L)
+    advantages = outcome_part + teacher_part  # (N, L)
+
+    count = keep.sum().clamp_min(1).to(advantages.dtype)
+    outcome_abs, teacher_abs = (
+        torch.stack([outcome_part.abs().sum(), teacher_part.abs().sum()]) / count
+    ).tolist()
+    total = outcome_abs + teacher_abs
+    shares = {
+        "outcome_abs": outcome_abs,
+        "teacher_abs": teacher_abs,
+        "teacher_share": teacher_abs / total if total > 0 else 0.0,
+    }
+    return advantages, shares
+
+
+def seed_imitation_weights(
+    delta: torch.Tensor, mask: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """Gate w_t = sigmoid(Delta_t / temperature) on action tokens, 0 elsewhere.  (N, L)
+
+    The weight of the imitation term -w_t * log pi(a_t) (see ``imitation_loss``):
+    Delta = 0 gives 1/2, endorsed tokens more, rejected tokens less.
+    """
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    keep = _check_tokens("delta", delta, mask)
+    return _masked(torch.sigmoid(delta.detach() / temperature), keep)
+
+
+def imitation_loss(
+    logp: torch.Tensor,
+    weights: torch.Tensor,
+    mask: torch.Tensor,
+    num_tokens: Optional[Count] = None,
+) -> torch.Tensor:
+    """Masked token mean of -w_t * log pi(a_t).  -> ()
+
+    logp     # (N, L) log-probs of the sampled tokens under the current policy (grad flows)
+    weights  # (N, L) e.g. ``seed_imitation_weights`` (detached)
+    mask     # (N, L) 1 at action tokens
+    num_tokens: the masked-token count of the whole batch, for micro-batches that must add
+    up to the full-batch loss (as in ``losses.aggregate``); default: this call's count.
+    """
+    keep = _check_tokens("logp", logp, mask)
+    if weights.shape != logp.shape:
+        raise ValueError(
+            f"weights shape {tuple(weights.shape)} must equal logp shape {tuple(logp.shape)}"
+        )
+    return aggregate(-weights.detach() * logp, keep, "token-mean", num_tokens=num_tokens)
+
+
+def pass_rate_weights(success: torch.Tensor) -> torch.Tensor:
+    """SC-SDPO weight sqrt(p (1 - p)), p = the group's pass rate.  (B, G) -> (B, G)
+
+    success  # (B, G) bool or 0/1, B groups of G trajectories.  All-pass and all-fail
+    groups get exactly 0; p = 1/2 gives the maximum 1/2.
+    """
+    if not isinstance(success, torch.Tensor) or success.dim() != 2:
+        raise ValueError(f"success must be a tensor of shape (B, G), got {_shape(success)}")
+    passed = _check_binary("success", success).to(torch.get_default_dtype())  # (B, G)
+    p = passed.mean(dim=-1, keepdim=True)  # (B, 1)
+    return torch.sqrt(p * (1.0 - p)).expand_as(passed)
+
+
+def skill_replay_reward(
+    delta_means: torch.Tensor, outcomes: torch.Tensor, clip: float
+) -> torch.Tensor:
+    """r(s) = mean_i y_i * clip(D_i, -clip, clip) over M replayed trajectories.  -> ()
+
+    delta_means  # (M,) mean Delta of each replayed trajectory under the skill
+    outcomes     # (M,) y_i = +1 (success) or -1 (failure)
+    """
+    if not isinstance(delta_means, torch.Tensor) or delta_means.dim() != 1:
+        raise ValueError("delta_means must be a tensor of shape (M,), one per replayed trajectory")
+    m = delta_means.shape[0]
+    if m == 0:
+        raise ValueError(
+            "a skill with no replayed trajectories has no replay reward; "
+            "replay it on at least one trajectory or mark it invalid"
+        )
+    if not clip > 0:
+        raise ValueError(f"clip must be > 0, got {clip}")
+    delta_means = _check_rows("delta_means", delta_means, m)
+    if not bool(torch.isfinite(delta_means).all()):
+        raise ValueError("delta_means contain NaN or inf")
+    outcomes = _check_rows("outcomes", outcomes, m)
+    if not bool(((outcomes == 1) | (outcomes == -1)).all()):
+        raise ValueError(f"outcomes must be +1 or -1, got {outcomes.unique().tolist()}")
+    return (outcomes * delta_means.clamp(-clip, clip)).mean()
+
+
+def skill_rewards(
+    delta_means: Sequence[torch.Tensor],
+    outcomes: Sequence[torch.Tensor],
+    lengths: Sequence[int],
+    invalid: Sequence[bool],
+    clip: float,
+    max_len: int,
+    length_penalty: float,
+    invalid_reward: float = -1.0,
+) -> torch.Tensor:
+    """Reward of each of K candidate skills, penalties included.  -> (K,)
+
+    delta_means[k]  # (M_k,), outcomes[k]  # (M_k,): candidate k's replays (see
+                    ``skill_replay_reward``); ignored (may be empty) for invalid ones
+    lengths[k]      candidate k's length, in the unit of max_len (tokens or characters)
+    invalid[k]      True if the candidate could not be parsed / used
+    reward_k = r(s_k) - length_penalty * max(0, lengths[k] - max_len)   if valid
+             = invalid_reward (a fixed value, e.g. -1)                  if invalid
+    """
+    k = len(lengths)
+    if not (len(delta_means) == len(outcomes) == len(invalid) == k):
+        raise ValueError(
+            f"delta_means, outcomes, lengths and invalid need one entry per candidate; got "
+            f"{len(delta_means)}, {len(outcomes)}, {k}, {len(invalid)}"
+        )
+    if not length_penalty >= 0:
+        raise ValueError(f"length_penalty must be >= 0, got {length_penalty}")
+    if not max_len > 0:
+        raise ValueError(f"max_len must be > 0, got {max_len}")
+    rewards = []
+    for j in range(k):
+        if invalid[j]:
+            rewards.append(float(invalid_reward))
+            continue
+        excess = max(0, lengths[j] - max_len)
+        replay = skill_replay_reward(delta_means[j], outcomes[j], clip).item()
+        rewards.append(replay - length_penalty * excess)
+    return torch.tensor(rewards, dtype=torch.get_default_dtype())
+
+
+def group_normalise(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """(r - mean) / (unbiased std + eps) within one group of K candidates.  (K,) -> (K,)
+
+    The ``grpo`` advantage of one group: exactly 0 for a zero-variance group or K = 1.
+    """
+    if not isinstance(rewards, torch.Tensor) or rewards.dim() != 1:
+        raise ValueError(f"rewards must be a tensor of shape (K,), got {_shape(rewards)}")
+    return grpo(rewards.unsqueeze(0), eps=eps)[0]
+
+
+def correlation(x: torch.Tensor, y: torch.Tensor) -> float:
+    """Pearson correlation of x and y (same shape), ignoring pairs where either is NaN.
+
+    nan when undefined: fewer than 2 pairs, or either side has zero variance.
+    Computed in float64; e.g. corr(trajectory_shift, outcome advantage) for logging.
+    """
+    x = torch.as_tensor(x).detach().to(torch.float64).flatten()
+    y = torch.as_tensor(y).detach().to(torch.float64).flatten()
+    if x.shape != y.shape:
+        raise ValueError(
+            f"x and y must have the same number of values, got {x.numel()} and {y.numel()}"
+        )
+    both = ~(torch.isnan(x) | torch.isnan(y))
+    x, y = x[both], y[both]
+    if x.numel() < 2:
+        return math.nan
+    if x.max() == x.min() or y.max() == y.min():
+        return math.nan
+    dx, dy = x - x.mean(), y - y.mean()
+    denom = torch.sqrt((dx * dx).sum() * (dy * dy).sum())
+    return (dx * dy).sum().div(denom).clamp(-1.0, 1.0).item()

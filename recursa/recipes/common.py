@@ -1,0 +1,147 @@
+"""Pieces every recipe uses: seeded generators, the optimizer and its schedule, warm starts,
+held-out evaluation into the run store, and the supervised (imitation) update.
+
+Each recipe still writes its own loop out; these are the primitives it calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from recursa.envs import EnvPool
+from recursa.errors import UserError
+from recursa.evaluate import EvalResult, evaluate
+from recursa.generation import sequence_logprobs
+from recursa.models import Policy
+from recursa.store import RunStore
+from recursa.trajectory import TrainBatch
+
+Progress = Callable[[str, int, int], None]  # (phase, done, total)
+
+
+def step_generator(seed: int, step: int) -> torch.Generator:
+    """The generator for every random draw of step (or round, or epoch) `step`."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + step)
+
+
+def lr_at(cfg, opt_step: int) -> float:
+    """Constant learning rate after a linear warm-up over `train.warmup_steps` optimizer steps."""
+    if cfg.train.warmup_steps and opt_step < cfg.train.warmup_steps:
+        return cfg.train.lr * (opt_step + 1) / cfg.train.warmup_steps
+    return cfg.train.lr
+
+
+def make_optimizer(params: list[torch.nn.Parameter], cfg) -> torch.optim.Optimizer:
+    """AdamW, with the fused kernel where this torch build has one (same update, one pass)."""
+    kwargs = dict(lr=cfg.train.lr, betas=cfg.train.betas, weight_decay=cfg.train.weight_decay)
+    try:
+        return torch.optim.AdamW(params, fused=True, **kwargs)
+    except (RuntimeError, TypeError, ValueError):
+        return torch.optim.AdamW(params, **kwargs)
+
+
+def init_weights_dir(cfg) -> Path | None:
+    """The checkpoint named by `init.from_run` / `init.checkpoint`, or None (the model's own
+    weights). The run must have trained the same base model and have that checkpoint."""
+    if not cfg.init.from_run:
+        return None
+    from recursa.config import load_config
+
+    run = Path(cfg.init.from_run)
+    if not (run / "config.toml").exists():
+        raise UserError(f"init.from_run = {str(run)!r}: no run there (no config.toml); train it first, e.g. recursa train examples/twx_twc_sft.toml")
+    source = load_config(run / "config.toml")
+    if source.model.name != cfg.model.name:
+        raise UserError(f"init.from_run = {str(run)!r} trained model {source.model.name!r}, but this config uses {cfg.model.name!r}: set model.name to match")
+    root = run / "checkpoints"
+    done = sorted(p for p in root.glob("step_*") if not p.name.endswith(".tmp") and (p / "state.json").exists()) if root.exists() else []
+    if not done:
+        raise UserError(f"init.from_run = {str(run)!r} has no finished checkpoint yet: let that run finish (or resume it) first")
+    if cfg.init.checkpoint == "last":
+        return done[-1]
+    want = root / f"step_{int(cfg.init.checkpoint):06d}"
+    if want not in done:
+        raise UserError(f"init.checkpoint = {cfg.init.checkpoint}: {run} has {[p.name for p in done]}")
+    return want
+
+
+def run_eval(policy: Policy, cfg, pool: EnvPool, store: RunStore, step: int, label: str, progress: Progress | None) -> EvalResult:
+    """Greedy held-out evaluation; writes eval/<label>.json, the ledger row and eval/* metrics."""
+    ec = cfg.eval
+    result = evaluate(
+        policy,
+        pool,
+        cfg.env.name,
+        ec.split,
+        ec.n,
+        ec.max_new_tokens or cfg.sampling.max_new_tokens,
+        cfg.model.system_prompt or None,
+        batch_size=ec.batch_size,
+        stop=tuple(cfg.sampling.stop),
+        label=label,
+        progress=(lambda d, t: progress(f"eval {label}", d, t)) if progress else None,
+        agent=cfg.agent,
+    )
+    path = store.path / "eval" / f"{label}.json"
+    result.save(path)
+    store.record_eval(step, label, result, path)
+    lo, hi = result.ci95
+    store.log_metrics(step, {
+        "eval/success_rate": result.success_rate, "eval/ci95_lo": lo, "eval/ci95_hi": hi, "eval/mean_reward": result.mean_reward,
+        "eval/mean_steps": result.mean_steps, "eval/invalid_rate": result.invalid_rate, "eval/n": result.n, "time/eval_s": result.seconds,
+    })
+    return result
+
+
+# ----------------------------------------------------------------------------- imitation
+
+
+@dataclass
+class SupervisedStats:
+    loss: float  # mean negative log-likelihood per target token
+    tokens: int  # target tokens in the batch
+    rows: int
+    grad_norm: float
+    entropy: float  # mean policy entropy at target positions (detached)
+
+
+def supervised_step(policy: Policy, optimizer: torch.optim.Optimizer, batch: TrainBatch, cfg, opt_step: int) -> SupervisedStats:
+    """One optimizer step of maximum likelihood on the batch's target tokens.
+
+    loss = -sum_{i,t} mask_it log pi(x_it | x_i<t) / sum_{i,t} mask_it   (token mean over
+    the whole batch, whatever the micro-batching). `batch.action_mask` marks the targets:
+    the assistant's tokens only, never the prompt. Rows are micro-batched in order of
+    length so that padding is small; the gradient does not depend on the grouping.
+    """
+    tc = cfg.train
+    model = policy.causal_lm
+    model.train()
+    num_tokens = int(batch.action_mask.sum().item())
+    if num_tokens == 0:
+        raise ValueError("a supervised batch needs at least one target token")
+    for g in optimizer.param_groups:
+        g["lr"] = lr_at(cfg, opt_step)
+    optimizer.zero_grad(set_to_none=True)
+    order = torch.argsort(batch.attention_mask.sum(dim=1), descending=True)
+    loss_sum, ent_sum = 0.0, 0.0
+    for lo in range(0, len(batch), tc.micro_batch_size):
+        mb = batch.select(order[lo : lo + tc.micro_batch_size])
+        logp, ent = sequence_logprobs(model, mb.input_ids, mb.attention_mask, mb.action_mask, 1.0, tc.logit_chunk, with_entropy=True)  # (n, L)
+        nll = -(logp * mb.action_mask).sum()
+        (nll / num_tokens).backward()
+        loss_sum += float(nll.item())
+        ent_sum += float((ent * mb.action_mask).sum().item())
+    params = [p for p in model.parameters() if p.requires_grad]
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, tc.max_grad_norm)
+    optimizer.step()
+    return SupervisedStats(loss_sum / num_tokens, num_tokens, len(batch), float(grad_norm), ent_sum / num_tokens)
+
+
+def batch_order(n: int, batch_size: int, generator: torch.Generator) -> list[torch.Tensor]:
+    """A seeded shuffle of n rows cut into optimizer batches (the last may be smaller)."""
+    perm = torch.randperm(n, generator=generator)
+    return [perm[i : i + batch_size] for i in range(0, n, batch_size)]

@@ -1,0 +1,267 @@
+"""Expert iteration (rejection-sampling fine-tuning), written out.
+
+    for round in range(rounds):
+        tasks    <- B training seeds: a share `revisit_frac` re-drawn from earlier unsolved
+                    tasks (at most `max_revisits` times each), the rest fresh
+        sample   -> B x G attempts with the current policy (episodes, for games)
+        keep     <- per task: the successes, best reward first, identical solutions
+                    dropped (`dedupe`), at most `per_task_cap` of them
+        report   <- pass@1 and pass@G of the attempts, share of tasks solved, diversity of
+                    the attempts and of the kept solutions (an exploration collapse shows
+                    as falling diversity while pass@1 rises)
+        finetune <- `train.epochs` passes of token-mean NLL over the kept solutions' own
+                    tokens (this round's, or every round's so far with `accumulate`)
+        evaluate <- every `eval.every` rounds, and before / after
+        checkpoint
+
+This is the loop of STaR / ReST-EM / RFT without rationalisation: what is imitated is
+exactly what the policy sampled (token ids, never re-tokenized), so a round is a
+conservative step toward the policy's own successful behaviour. For games every turn of a
+kept episode is a row, except turns whose action was invalid (`drop_invalid_turns`).
+
+The kept solutions and the per-task outcomes are logged to kept.jsonl and tasks.jsonl in
+the run directory; a resumed run rebuilds its buffer and its unsolved-task pool from them.
+Every random draw of round r comes from a generator seeded by (train.seed, r).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from recursa.config import RFTConfig, dump_config
+from recursa.envs import EnvPool, make_env, split_seed
+from recursa.generation import SamplingParams
+from recursa.models import count_parameters, load_policy
+from recursa.recipes.common import (
+    Progress,
+    batch_order,
+    init_weights_dir,
+    make_optimizer,
+    run_eval,
+    step_generator,
+    supervised_step,
+)
+from recursa.rollout import is_agent_env, rollout, rollout_episodes
+from recursa.stats import pass_at_k
+from recursa.store import RunStore
+from recursa.trajectory import Trajectory, collate
+
+
+@dataclass
+class Attempt:
+    """One sampled attempt at a task, reduced to what selection needs."""
+
+    seed: int
+    reward: float
+    success: bool
+    key: str  # the solution's identity: the actions taken (games) or the reply text
+    rows: list[Trajectory]  # what fine-tuning would imitate
+
+
+def round_seeds(cfg: RFTConfig, round_index: int, unsolved: dict[int, int]) -> tuple[list[int], int]:
+    """The round's B task seeds and how many were revisits. `unsolved` maps an unsolved
+    task's seed to the times it was drawn; the least-drawn are revisited first."""
+    rc = cfg.rft
+    rng = random.Random(cfg.train.seed * 7919 + round_index)
+    quota = int(round(rc.revisit_frac * rc.tasks_per_round))
+    pool = sorted((n, s) for s, n in unsolved.items() if n <= rc.max_revisits)
+    revisits = [s for _, s in pool[:quota]]
+    fresh: list[int] = []
+    while len(revisits) + len(fresh) < rc.tasks_per_round:
+        seed = split_seed("train", rng.randrange(10_000_000))
+        if seed not in unsolved and seed not in fresh:
+            fresh.append(seed)
+    return revisits + fresh, len(revisits)
+
+
+def keep_solutions(attempts: list[Attempt], per_task_cap: int, dedupe: bool) -> list[Attempt]:
+    """Per task: successes, best reward first (stable), duplicates dropped, at most `per_task_cap`."""
+    by_task: dict[int, list[Attempt]] = defaultdict(list)
+    for a in attempts:
+        if a.success:
+            by_task[a.seed].append(a)
+    kept = []
+    for seed, wins in by_task.items():
+        wins = sorted(wins, key=lambda a: -a.reward)
+        if dedupe:
+            seen, unique = set(), []
+            for a in wins:
+                if a.key not in seen:
+                    seen.add(a.key)
+                    unique.append(a)
+            wins = unique
+        kept.extend(wins[:per_task_cap] if per_task_cap else wins)
+    return kept
+
+
+def attempt_stats(attempts: list[Attempt], group_size: int) -> dict[str, float]:
+    """pass@1, pass@G, solved share and diversity over a round's B x G attempts."""
+    by_task: dict[int, list[Attempt]] = defaultdict(list)
+    for a in attempts:
+        by_task[a.seed].append(a)
+    tasks = list(by_task.values())
+    wins = [[a for a in t if a.success] for t in tasks]
+    n_wins = sum(len(w) for w in wins)
+    return {
+        "rft/pass@1": sum(pass_at_k(len(t), len(w), 1) for t, w in zip(tasks, wins)) / len(tasks),
+        f"rft/pass@{group_size}": sum(pass_at_k(len(t), len(w), len(t)) for t, w in zip(tasks, wins)) / len(tasks),
+        "rft/tasks_solved_frac": sum(bool(w) for w in wins) / len(tasks),
+        "rft/attempt_distinct_frac": sum(len({a.key for a in t}) / len(t) for t in tasks) / len(tasks),
+        "rft/success_distinct_frac": (sum(len({a.key for a in w}) for w in wins) / n_wins) if n_wins else float("nan"),
+    }
+
+
+def sample_attempts(policy, pool: EnvPool, cfg: RFTConfig, seeds: list[int], gen: torch.Generator, multi_turn: bool) -> tuple[list[Attempt], dict]:
+    """B x G attempts with the current policy; returns them and episode metrics."""
+    rc = cfg.rft
+    sampling = SamplingParams(cfg.sampling.max_new_tokens, cfg.sampling.temperature, cfg.sampling.top_p, tuple(cfg.sampling.stop))
+    system_prompt = cfg.model.system_prompt or None
+    if multi_turn:
+        ero = rollout_episodes(policy, pool, seeds, rc.group_size, sampling, gen, system_prompt, cfg.agent)
+        attempts = []
+        for e in ero.episodes:
+            rows = [r for r in e.rows() if not (rc.drop_invalid_turns and r.info["invalid"])]
+            attempts.append(Attempt(e.seed, e.total_reward, e.won, " | ".join(t.action for t in e.turns), rows))
+        n = len(ero.episodes)
+        metrics = {
+            "episode/success_rate": sum(e.won for e in ero.episodes) / n,
+            "episode/turns_mean": sum(len(e.turns) for e in ero.episodes) / n,
+            "episode/invalid_rate": sum(e.invalid_rate for e in ero.episodes) / n,
+        }
+        return attempts, metrics
+    ro = rollout(policy, pool, seeds, rc.group_size, sampling, gen, system_prompt)
+    return [Attempt(t.seed, t.reward, t.success, t.completion_text.strip(), [t]) for t in ro.trajectories], {}
+
+
+def _row_record(r: Trajectory) -> dict:
+    return {"seed": r.seed, "token_ids": r.token_ids, "action_mask": r.action_mask, "reward": r.reward, "text": r.completion_text}
+
+
+def _row_from_record(d: dict, env: str) -> Trajectory:
+    n = len(d["token_ids"])
+    return Trajectory(env, d["seed"], 0, d["token_ids"], d["action_mask"], [0.0] * n, d["reward"], True, d["text"], "", "kept", {})
+
+
+def finetune(policy, optimizer, rows: list[Trajectory], cfg: RFTConfig, gen: torch.Generator, opt_step: int) -> tuple[int, float]:
+    """`train.epochs` passes over `rows`; returns the optimizer step count and mean loss."""
+    pad = policy.tokenizer.pad_token_id
+    losses = []
+    for _ in range(cfg.train.epochs):
+        for idx in batch_order(len(rows), cfg.train.batch_size, gen):
+            chosen = [rows[int(i)] for i in idx]
+            st = supervised_step(policy, optimizer, collate(chosen, torch.zeros(len(chosen)), pad), cfg, opt_step)
+            opt_step += 1
+            losses.append(st.loss)
+    return opt_step, (sum(losses) / len(losses) if losses else float("nan"))
+
+
+def train(cfg: RFTConfig, out: Path, resume: bool = False, progress: Progress | None = None, log: Callable[[str], None] = print) -> Path:
+    """Run expert iteration into `out` (continuing from its last checkpoint when `resume`)."""
+    torch.set_num_threads(cfg.run.threads)
+    torch.manual_seed(cfg.train.seed)
+    rc = cfg.rft
+    pool = EnvPool(lambda: make_env(cfg.env.name, **cfg.env.kwargs))
+    multi_turn = is_agent_env(pool.take(1)[0])
+    init_dir = init_weights_dir(cfg)
+    store = RunStore(out, tensorboard=cfg.run.tensorboard)
+    ckpt = store.latest_checkpoint() if resume else None
+    if not resume:
+        (out / "config.toml").write_text(dump_config(cfg))
+    policy = load_policy(cfg.model, weights_dir=ckpt, base_dir=init_dir)
+    params = [p for p in policy.model.parameters() if p.requires_grad]
+    optimizer = make_optimizer(params, cfg)
+    start, opt_step = 0, 0
+    if ckpt is not None:
+        state = store.load_state(ckpt, optimizer)
+        start, opt_step = state["step"], state["opt_steps"]
+        log(f"resumed {out} from {ckpt.name} (round {start}/{rc.rounds})")
+    store.truncate_after(start)  # drops logs of rounds after the checkpoint (all of them when starting over)
+    # the buffer and the unsolved-task pool, rebuilt from the run's own logs
+    buffer = [_row_from_record(d, cfg.env.name) for d in store.read_jsonl("kept")] if rc.accumulate else []
+    unsolved: dict[int, int] = {}
+    for d in store.read_jsonl("tasks"):
+        if d["successes"]:
+            unsolved.pop(d["seed"], None)
+        else:
+            unsolved[d["seed"]] = unsolved.get(d["seed"], 0) + 1
+    total, trainable = count_parameters(policy.model)
+    start_from = f" from {init_dir}" if init_dir is not None else ""
+    log(f"model {cfg.model.name}{start_from}: {total / 1e6:.1f}M parameters, {trainable / 1e6:.1f}M trainable; task {cfg.env.name}")
+
+    if start == 0 and cfg.eval.before and cfg.eval.n > 0 and not (out / "eval" / "before.json").exists():
+        r = run_eval(policy, cfg, pool, store, 0, "before", progress)
+        log(f"before: success {r.success_rate:.3f} [{r.ci95[0]:.3f}, {r.ci95[1]:.3f}] on {r.n} {cfg.eval.split} items")
+
+    for rnd in range(start, rc.rounds):
+        t0 = time.perf_counter()
+        gen = step_generator(cfg.train.seed, rnd)
+        seeds, n_revisit = round_seeds(cfg, rnd, unsolved)
+        attempts, episode_metrics = sample_attempts(policy, pool, cfg, seeds, gen, multi_turn)
+        t1 = time.perf_counter()
+
+        kept = keep_solutions(attempts, rc.per_task_cap, rc.dedupe)
+        solved = {a.seed for a in attempts if a.success}
+        for s in seeds:
+            if s in solved:
+                unsolved.pop(s, None)
+            else:
+                unsolved[s] = unsolved.get(s, 0) + 1
+        store.append_jsonl("tasks", rnd + 1, [
+            {"seed": s, "attempts": sum(a.seed == s for a in attempts), "successes": sum(a.seed == s and a.success for a in attempts), "revisit": i < n_revisit}
+            for i, s in enumerate(seeds)
+        ])
+        new_rows = [r for a in kept for r in a.rows]
+        store.append_jsonl("kept", rnd + 1, [_row_record(r) for r in new_rows])
+        buffer = buffer + new_rows if rc.accumulate else new_rows
+        loss = float("nan")
+        if buffer:
+            opt_step, loss = finetune(policy, optimizer, buffer, cfg, gen, opt_step)
+        t2 = time.perf_counter()
+
+        metrics = {
+            **episode_metrics,
+            **attempt_stats(attempts, rc.group_size),
+            "rft/kept": len(kept),
+            "rft/kept_rows": len(new_rows),
+            "rft/kept_tasks": len({a.seed for a in kept}),
+            "rft/buffer_rows": len(buffer),
+            "rft/revisits": n_revisit,
+            "rft/revisits_solved": sum(s in solved for s in seeds[:n_revisit]),
+            "rft/unsolved_pool": len(unsolved),
+            "reward/mean": sum(a.reward for a in attempts) / len(attempts),
+            "budget/episodes": (rnd + 1) * rc.tasks_per_round * rc.group_size,
+            "sft/loss": loss,
+            "time/rollout_s": t1 - t0,
+            "time/update_s": t2 - t1,
+            "time/step_s": t2 - t0,
+        }
+        store.log_metrics(rnd + 1, metrics)
+        store.log_samples(rnd + 1, [{"seed": a.seed, "completion": a.key, "reward": a.reward} for a in kept[: cfg.run.log_samples]])
+        if progress:
+            progress("rounds", rnd + 1, rc.rounds)
+        log(
+            f"round {rnd + 1}/{rc.rounds}  pass@1 {metrics['rft/pass@1']:.3f}  pass@{rc.group_size} {metrics[f'rft/pass@{rc.group_size}']:.3f}  "
+            f"kept {len(kept)} ({len(new_rows)} rows)  loss {loss:.4f}  sample {t1 - t0:.1f}s  finetune {t2 - t1:.1f}s"
+        )
+        done = rnd + 1
+        if cfg.eval.every and done % cfg.eval.every == 0 and done < rc.rounds and cfg.eval.n > 0:
+            r = run_eval(policy, cfg, pool, store, done, f"step_{done:04d}", progress)
+            log(f"eval @ round {done}: success {r.success_rate:.3f} [{r.ci95[0]:.3f}, {r.ci95[1]:.3f}]")
+        if (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0) or done == rc.rounds:
+            store.save_checkpoint(done, policy, optimizer, {"opt_steps": opt_step})
+
+    if rc.rounds == 0 and store.latest_checkpoint() is None:
+        store.save_checkpoint(0, policy, optimizer, {"opt_steps": 0})
+    if cfg.eval.after and cfg.eval.n > 0 and not (out / "eval" / "after.json").exists():
+        r = run_eval(policy, cfg, pool, store, rc.rounds, "after", progress)
+        log(f"after: success {r.success_rate:.3f} [{r.ci95[0]:.3f}, {r.ci95[1]:.3f}] on {r.n} {cfg.eval.split} items")
+    store.close()
+    pool.close()
+    return out

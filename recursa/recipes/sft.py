@@ -1,0 +1,129 @@
+"""Supervised fine-tuning on demonstrations, written out.
+
+    demos      <- oracle walkthroughs of training games | reference answers of training
+                  items | a JSONL file of chat transcripts          (recursa/demos.py)
+    evaluate   <- before training (eval/before.json)
+    for epoch in range(epochs):
+        for batch in seeded shuffle of demos, `batch_size` rows each:
+            loss = token-mean NLL of the target (assistant) tokens; AdamW step
+        evaluate   <- every `eval.every` epochs
+        checkpoint <- every `run.checkpoint_every` epochs and at the end
+    evaluate   <- after training (eval/after.json)
+
+Metrics are logged per optimizer step (`sft/loss`, `sft/entropy`, ...); evaluations and
+checkpoints carry the optimizer step they were taken at. The shuffle of epoch e comes from
+a generator seeded by (train.seed, e), so a run resumed from an epoch checkpoint replays
+exactly what an uninterrupted run would have done.
+
+The result is a run directory like any other: `recursa eval --run`, `recursa report`, and
+`init.from_run` in a GRPO or expert-iteration config (the warm start) all read it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from recursa.config import SFTConfig, dump_config
+from recursa.demos import build_demos
+from recursa.envs import EnvPool, make_env
+from recursa.errors import UserError
+from recursa.models import count_parameters, load_policy
+from recursa.recipes.common import (
+    Progress,
+    batch_order,
+    init_weights_dir,
+    lr_at,
+    make_optimizer,
+    run_eval,
+    step_generator,
+    supervised_step,
+)
+from recursa.store import RunStore
+from recursa.trajectory import collate
+
+
+def train(cfg: SFTConfig, out: Path, resume: bool = False, progress: Progress | None = None, log: Callable[[str], None] = print) -> Path:
+    """Run supervised fine-tuning into `out` (continuing from its last checkpoint when `resume`)."""
+    torch.set_num_threads(cfg.run.threads)
+    torch.manual_seed(cfg.train.seed)
+    pool = EnvPool(lambda: make_env(cfg.env.name, **cfg.env.kwargs))
+    pool.take(1)  # fail fast on a bad task spec
+    init_dir = init_weights_dir(cfg)
+    store = RunStore(out, tensorboard=cfg.run.tensorboard)
+    ckpt = store.latest_checkpoint() if resume else None
+    if not resume:
+        (out / "config.toml").write_text(dump_config(cfg))
+    policy = load_policy(cfg.model, weights_dir=ckpt, base_dir=init_dir)
+    params = [p for p in policy.model.parameters() if p.requires_grad]
+    optimizer = make_optimizer(params, cfg)
+
+    t0 = time.perf_counter()
+    demos = build_demos(cfg, pool, policy.tokenizer)
+    if not demos.rows:
+        raise UserError(f"no demonstrations to learn from: {demos.summary()}")
+    log(f"demonstrations: {demos.summary()} ({time.perf_counter() - t0:.1f}s)")
+    (out / "demos.json").write_text(json.dumps({
+        "source": demos.source, "rows": len(demos.rows), "items": demos.items, "target_tokens": demos.target_tokens,
+        "tokens": sum(len(r.token_ids) for r in demos.rows), "dropped": dict(demos.dropped),
+        "seeds": sorted({r.seed for r in demos.rows}),
+    }, indent=1) + "\n")
+    rows = demos.rows
+    per_epoch = math.ceil(len(rows) / cfg.train.batch_size)
+
+    start_epoch, opt_step = 0, 0
+    if ckpt is not None:
+        state = store.load_state(ckpt, optimizer)
+        start_epoch, opt_step = state["epoch"], state["opt_steps"]
+        store.truncate_after(opt_step)
+        log(f"resumed {out} from {ckpt.name} (epoch {start_epoch}/{cfg.train.epochs})")
+    elif resume:
+        store.truncate_after(0)
+    total, trainable = count_parameters(policy.model)
+    start_from = f" from {init_dir}" if init_dir is not None else ""
+    log(f"model {cfg.model.name}{start_from}: {total / 1e6:.1f}M parameters, {trainable / 1e6:.1f}M trainable; task {cfg.env.name}")
+
+    if start_epoch == 0 and cfg.eval.before and cfg.eval.n > 0 and not (out / "eval" / "before.json").exists():
+        r = run_eval(policy, cfg, pool, store, 0, "before", progress)
+        log(f"before: success {r.success_rate:.3f} [{r.ci95[0]:.3f}, {r.ci95[1]:.3f}] on {r.n} {cfg.eval.split} items")
+
+    pad = policy.tokenizer.pad_token_id
+    for epoch in range(start_epoch, cfg.train.epochs):
+        gen = step_generator(cfg.train.seed, epoch)
+        losses = []
+        for b, idx in enumerate(batch_order(len(rows), cfg.train.batch_size, gen)):
+            t1 = time.perf_counter()
+            chosen = [rows[int(i)] for i in idx]
+            batch = collate(chosen, torch.zeros(len(chosen)), pad)
+            st = supervised_step(policy, optimizer, batch, cfg, opt_step)
+            opt_step += 1
+            dt = time.perf_counter() - t1
+            losses.append(st.loss)
+            tokens = int(batch.attention_mask.sum())
+            store.log_metrics(opt_step, {
+                "sft/loss": st.loss, "sft/entropy": st.entropy, "sft/target_tokens": st.tokens, "sft/rows": st.rows,
+                "sft/epoch": epoch + (b + 1) / per_epoch, "policy/grad_norm": st.grad_norm, "policy/lr": lr_at(cfg, opt_step - 1),
+                "time/update_s": dt, "throughput/tokens_per_s": tokens / max(dt, 1e-9),
+            })
+            if progress:
+                progress(f"epoch {epoch + 1}", b + 1, per_epoch)
+        log(f"epoch {epoch + 1}/{cfg.train.epochs}  loss {sum(losses) / len(losses):.4f} (last batch {losses[-1]:.4f})  {opt_step} optimizer steps")
+        done = epoch + 1
+        if cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.train.epochs and cfg.eval.n > 0:
+            r = run_eval(policy, cfg, pool, store, opt_step, f"epoch_{done:03d}", progress)
+            log(f"eval @ epoch {done}: success {r.success_rate:.3f} [{r.ci95[0]:.3f}, {r.ci95[1]:.3f}]")
+        if (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0) or done == cfg.train.epochs:
+            store.save_checkpoint(opt_step, policy, optimizer, {"epoch": done, "opt_steps": opt_step})
+
+    if cfg.eval.after and cfg.eval.n > 0 and not (out / "eval" / "after.json").exists():
+        r = run_eval(policy, cfg, pool, store, opt_step, "after", progress)
+        log(f"after: success {r.success_rate:.3f} [{r.ci95[0]:.3f}, {r.ci95[1]:.3f}] on {r.n} {cfg.eval.split} items")
+    store.close()
+    pool.close()
+    return out
+
