@@ -1,4 +1,4 @@
-"""Command line: `recursa train | eval | report | envs`.
+"""Command line: `recursa train | eval | report | lineage | envs`.
 
 Bad input (an unknown config key, a wrong type, an unknown task, a missing model file)
 exits with status 2 and one line naming the problem and the fix; `--debug` shows the
@@ -216,6 +216,18 @@ def cmd_report(args) -> int:
     return 0
 
 
+def cmd_lineage(args) -> int:
+    from recursa.lineage import show_lineage
+
+    run_dir = Path(args.run_dir)
+    if not run_dir.is_dir():
+        raise UserError(f"{run_dir} is not a directory: pass a run directory written by `recursa train`")
+    tree, png = show_lineage(run_dir)
+    print(tree)
+    print(f"wrote {png}")
+    return 0
+
+
 def cmd_envs(args) -> int:
     from recursa.envs import list_envs
 
@@ -268,6 +280,10 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("report", help="write report.md and plots for a run")
     r.add_argument("run_dir")
     r.set_defaults(func=cmd_report)
+
+    g = sub.add_parser("lineage", help="print the tree of gated changes (weights, skills, prompt) and write plots/lineage.png")
+    g.add_argument("run_dir")
+    g.set_defaults(func=cmd_lineage)
 
     v = sub.add_parser("envs", help="list the available tasks")
     v.add_argument("--all", action="store_true", help="also list every reasoning-gym dataset")

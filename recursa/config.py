@@ -133,6 +133,23 @@ class RunConfig(_Section):
     tensorboard: bool = Field(False, description="also write TensorBoard event files (needs tensorboard)")
 
 
+class GateSettings(_Section):
+    """Gated weights (recursa/gate.py): every `every` steps (rounds, for expert iteration)
+    and at the end, the current weights are a candidate against the last accepted weights,
+    both scored greedily on `n` fresh gate-split items; exact one-sided McNemar test."""
+
+    mode: Literal["off", "log", "gate"] = Field("off", description="off; log: test and record, never roll back; gate: a rejection rolls weights and optimizer back to the incumbent")
+    every: int = Field(4, gt=0, description="test a candidate every N steps (expert iteration: rounds), and always at the end")
+    n: int = Field(200, gt=0, description="fresh gate items per test (never reused across rounds)")
+    alpha: float = Field(0.05, gt=0, lt=0.5, description="false-accept budget of the whole run (basel spending) or of each round (constant)")
+    spending: Literal["basel", "constant"] = Field("basel", description="basel: round t is tested at 6 alpha / (pi^2 t^2), so the run's levels sum to alpha")
+    delta: float = Field(0.0, description="minimum net gain per item, (b - c) / n")
+    max_regressions: int | None = Field(None, ge=0, description="most incumbent-solved items the candidate may newly fail (None = no cap)")
+    regression_rate: float | None = Field(None, gt=0, le=1, description="most the one-sided Clopper-Pearson upper bound of the regression rate may be (None = off)")
+    regression_confidence: float = Field(0.95, gt=0.5, lt=1, description="confidence of that bound")
+    max_test_looks: int = Field(5, gt=0, description="test-split evaluations allowed in the run (each is recorded as a look)")
+
+
 class InitConfig(_Section):
     """Where the weights start: the model's own, or a finished run's (a warm start)."""
 
@@ -144,6 +161,19 @@ class InitConfig(_Section):
         if self.checkpoint != "last" and not self.checkpoint.isdigit():
             raise ValueError(f"init.checkpoint must be 'last' or a step number, got {self.checkpoint!r}")
         return self
+
+
+def _check_test_looks(cfg, steps: int) -> None:
+    """With gating on, every test-split evaluation after training starts is a recorded look;
+    a config that would look more often than gate.max_test_looks is refused up front."""
+    if cfg.gate.mode == "off" or cfg.eval.n == 0:
+        return
+    looks = (max(steps - 1, 0) // cfg.eval.every if cfg.eval.every else 0) + int(cfg.eval.after)
+    if looks > cfg.gate.max_test_looks:
+        raise ValueError(
+            f"this run would look at the test split {looks} times (eval.every, eval.after), more than gate.max_test_looks = "
+            f"{cfg.gate.max_test_looks}: evaluate less often, or raise the cap knowingly"
+        )
 
 
 class GRPOConfig(_Section):
@@ -158,6 +188,7 @@ class GRPOConfig(_Section):
     algo: AlgoConfig = Field(default_factory=AlgoConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    gate: GateSettings = Field(default_factory=GateSettings)
     run: RunConfig = Field(default_factory=RunConfig)
 
     @model_validator(mode="after")
@@ -167,6 +198,7 @@ class GRPOConfig(_Section):
             raise ValueError(f"train.prompts_per_step * train.group_size = {n} must be divisible by train.mini_batches = {self.train.mini_batches}")
         if self.sampling.temperature == 0:
             raise ValueError("sampling.temperature must be > 0 for training (greedy rollouts give no exploration)")
+        _check_test_looks(self, self.train.steps)
         return self
 
 
@@ -229,12 +261,14 @@ class RFTConfig(_Section):
     rft: ExpertIterationConfig = Field(default_factory=ExpertIterationConfig)
     train: SupervisedConfig = Field(default_factory=lambda: SupervisedConfig(epochs=1))
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    gate: GateSettings = Field(default_factory=GateSettings)
     run: RunConfig = Field(default_factory=lambda: RunConfig(out="runs/rft"))
 
     @model_validator(mode="after")
     def _check(self) -> "RFTConfig":
         if self.sampling.temperature == 0 and self.rft.group_size > 1:
             raise ValueError("sampling.temperature = 0 makes every attempt of a task identical: set it > 0 or rft.group_size = 1")
+        _check_test_looks(self, self.rft.rounds)
         return self
 
 

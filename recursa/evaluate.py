@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from recursa.agent import AgentConfig
-from recursa.envs.base import Env, EnvPool, as_pool, split_seeds
+from recursa.envs.base import Env, EnvPool, as_pool, split_of, split_seeds
 from recursa.errors import UserError
 from recursa.generation import SamplingParams
 from recursa.models import Policy
@@ -124,9 +124,14 @@ def evaluate(
     label: str = "",
     progress: Callable[[int, int], None] | None = None,
     agent: AgentConfig | None = None,
+    seeds: list[int] | None = None,
 ) -> EvalResult:
-    """Greedy evaluation of the model on the first `n` seeds of `split`."""
-    seeds = split_seeds(split, n)
+    """Greedy evaluation of the model on the first `n` seeds of `split` (or on `seeds`,
+    which must then be `n` seeds of `split`: the gate scores fresh gate items each round)."""
+    if seeds is None:
+        seeds = split_seeds(split, n)
+    elif len(seeds) != n or any(split_of(s) != split for s in seeds):
+        raise ValueError(f"evaluate: expected {n} seeds of the {split} split")
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop=stop)
     pool = as_pool(envs)
     multi_turn = is_agent_env(pool.take(1)[0])

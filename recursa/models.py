@@ -307,6 +307,18 @@ def save_weights(policy: Policy, directory: Path) -> None:
         save_file(state, str(directory / "model.safetensors"))
 
 
+def restore_weights(policy: Policy, directory: Path) -> None:
+    """Load a checkpoint written by `save_weights` into `policy` in place (a rollback)."""
+    from safetensors.torch import load_file
+
+    if policy.is_lora:
+        from peft import set_peft_model_state_dict
+
+        set_peft_model_state_dict(policy.model, load_file(str(directory / "adapter_model.safetensors")))
+    else:
+        _load_full(policy.model, directory, policy.name)
+
+
 def _tied(model: torch.nn.Module) -> bool:
     return bool(getattr(model.config, "tie_word_embeddings", False))
 

@@ -244,6 +244,17 @@ def _make_plots(records: Sequence[dict], plot_dir: Path) -> list[tuple[str, Path
                 "Training episodes: success and invalid-action rate", "rate",
             ),
         ),
+        (
+            "Supervised loss (SFT, expert iteration)",
+            _line_plot(records, ["sft/loss"], plot_dir / "sft_loss.png", "Negative log-likelihood of the target tokens", "nats / token"),
+        ),
+        (
+            "Expert iteration: attempts and kept solutions",
+            _line_plot(
+                records, ["rft/pass@1", "rft/tasks_solved_frac", "rft/attempt_distinct_frac", "rft/success_distinct_frac"],
+                plot_dir / "rft.png", "pass@1, tasks solved, diversity of attempts and of successes", "rate",
+            ),
+        ),
     ]
     return [(caption, p) for caption, p in made if p is not None]
 
@@ -411,6 +422,9 @@ def write_report(run_dir: Path) -> Path:
     else:
         lines += ["No `metrics.jsonl` records.", ""]
 
+    from recursa.lineage import report_section
+
+    lines += report_section(run_dir)  # gated changes and test-split looks; nothing for ungated runs
     plots = _make_plots(records, run_dir / "plots")
     if plots:
         lines += ["## Plots", ""]

@@ -69,8 +69,9 @@ def init_weights_dir(cfg) -> Path | None:
     return want
 
 
-def run_eval(policy: Policy, cfg, pool: EnvPool, store: RunStore, step: int, label: str, progress: Progress | None) -> EvalResult:
-    """Greedy held-out evaluation; writes eval/<label>.json, the ledger row and eval/* metrics."""
+def run_eval(policy: Policy, cfg, pool: EnvPool, store: RunStore, step: int, label: str, progress: Progress | None, gate=None) -> EvalResult:
+    """Greedy held-out evaluation; writes eval/<label>.json, the ledger row and eval/* metrics.
+    With a `WeightsGate`, an evaluation after training started is recorded as a test look."""
     ec = cfg.eval
     result = evaluate(
         policy,
@@ -89,6 +90,9 @@ def run_eval(policy: Policy, cfg, pool: EnvPool, store: RunStore, step: int, lab
     path = store.path / "eval" / f"{label}.json"
     result.save(path)
     store.record_eval(step, label, result, path)
+    before = store.path / "eval" / "before.json"
+    if gate is not None and label != "before" and before.exists():
+        gate.look(step, label, EvalResult.load(before), result)
     lo, hi = result.ci95
     store.log_metrics(step, {
         "eval/success_rate": result.success_rate, "eval/ci95_lo": lo, "eval/ci95_hi": hi, "eval/mean_reward": result.mean_reward,

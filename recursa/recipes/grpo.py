@@ -33,6 +33,7 @@ from recursa.envs import EnvPool, make_env, split_seed
 from recursa.generation import SamplingParams, prefix_lengths, sequence_logprobs, shared_prefix_logprobs
 from recursa.models import Policy, count_parameters, load_policy
 from recursa.recipes.common import Progress, init_weights_dir, lr_at, make_optimizer, run_eval, step_generator
+from recursa.recipes.gating import WeightsGate
 from recursa.rollout import is_agent_env, rollout, rollout_episodes
 from recursa.store import RunStore
 from recursa.trajectory import Episode, TrainBatch, Trajectory, collate
@@ -243,6 +244,10 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
     start_from = f" from {init_dir}" if init_dir is not None else ""
     log(f"model {cfg.model.name}{start_from}: {total / 1e6:.1f}M parameters, {trainable / 1e6:.1f}M trainable; task {cfg.env.name}")
 
+    gate = WeightsGate(cfg, store, pool, start_step, log) if cfg.gate.mode != "off" else None
+    if gate is not None:
+        gate.start(policy, optimizer, f"{cfg.model.name}{start_from}")
+
     if start_step == 0 and cfg.eval.before and cfg.eval.n > 0 and not (out / "eval" / "before.json").exists():
         r = run_eval(policy, cfg, pool, store, 0, "before", progress)
         log(f"before: success {r.success_rate:.3f} [{r.ci95[0]:.3f}, {r.ci95[1]:.3f}] on {r.n} {cfg.eval.split} items")
@@ -318,8 +323,10 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
             f"clip {st.clip_frac:.3f}  rollout {t1 - t0:.1f}s  update {t2 - t1:.1f}s"
         )
         done = step + 1
+        if gate is not None and (done % cfg.gate.every == 0 or done == cfg.train.steps):
+            store.log_metrics(done, gate.check(policy, optimizer, done, progress))
         if cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.train.steps and cfg.eval.n > 0:
-            r = run_eval(policy, cfg, pool, store, done, f"step_{done:04d}", progress)
+            r = run_eval(policy, cfg, pool, store, done, f"step_{done:04d}", progress, gate)
             log(f"eval @ {done}: success {r.success_rate:.3f} [{r.ci95[0]:.3f}, {r.ci95[1]:.3f}]")
         if (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0) or done == cfg.train.steps:
             store.save_checkpoint(done, policy, optimizer, {"opt_steps": opt_step})
@@ -327,7 +334,7 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
     if cfg.train.steps == 0 and store.latest_checkpoint() is None:
         store.save_checkpoint(0, policy, optimizer, {"opt_steps": 0})
     if cfg.eval.after and cfg.eval.n > 0 and not (out / "eval" / "after.json").exists():
-        r = run_eval(policy, cfg, pool, store, cfg.train.steps, "after", progress)
+        r = run_eval(policy, cfg, pool, store, cfg.train.steps, "after", progress, gate)
         log(f"after: success {r.success_rate:.3f} [{r.ci95[0]:.3f}, {r.ci95[1]:.3f}] on {r.n} {cfg.eval.split} items")
     store.close()
     pool.close()

