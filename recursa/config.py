@@ -148,6 +148,10 @@ class GateSettings(_Section):
     regression_rate: float | None = Field(None, gt=0, le=1, description="most the one-sided Clopper-Pearson upper bound of the regression rate may be (None = off)")
     regression_confidence: float = Field(0.95, gt=0.5, lt=1, description="confidence of that bound")
     max_test_looks: int = Field(5, gt=0, description="test-split evaluations allowed in the run (each is recorded as a look)")
+    prompt_every: int = Field(0, ge=0, description="every N steps the policy proposes revised prompts from its recent failures, gated like weights (0 = off)")
+    prompt_candidates: int = Field(2, gt=0, description="prompt proposals per round; the best on `prompt_select_n` training items is gated")
+    prompt_select_n: int = Field(32, gt=0, description="training items that pick the best proposal (never reused for the gate)")
+    prompt_max_chars: int = Field(300, gt=0, description="a proposal longer than this is rejected unread")
 
 
 class InitConfig(_Section):

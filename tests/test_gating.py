@@ -107,3 +107,56 @@ def test_gated_grpo_accepts_real_gains_and_reports_the_test_gain(tmp_path):
 
     tree, png = show_lineage(run)
     assert "ACCEPTED" in tree and png.exists()
+
+
+def test_prompt_proposal_parsing_and_request():
+    from recursa.recipes.gating import parse_prompt_proposal, prompt_proposal_request
+
+    req = prompt_proposal_request("Reply with one action.", [("Your task is to: reach room 3.", "dance")], 200)
+    assert "Current instruction: Reply with one action." in req and "Answered: dance" in req and req.endswith("INSTRUCTION:")
+    assert parse_prompt_proposal("Sure!\nINSTRUCTION: Always copy one action exactly from the list.", 200) == "Always copy one action exactly from the list."
+    assert parse_prompt_proposal("INSTRUCTION: ���� ��", 200) is None
+    assert parse_prompt_proposal("INSTRUCTION: " + "word " * 100, 50) is None  # over the hard cap
+    assert parse_prompt_proposal(None, 50) is None
+
+
+def _fake_scores(monkeypatch, good: str):
+    """Scores that depend only on the prompt text: `good` solves every item, others none."""
+    from recursa.evaluate import EvalItem, summarize
+    from recursa.recipes.gating import PromptGate
+
+    def score(self, policy, text, split, seeds, label):
+        return summarize([EvalItem(s, float(text == good), text == good) for s in seeds], "toy", split, label, "m", "model", 0.0)
+
+    monkeypatch.setattr(PromptGate, "_score", score)
+    monkeypatch.setattr(PromptGate, "propose", lambda self, policy, failures, gen: ([good, "Wander around aimlessly please."], 1))
+
+
+def test_prompt_round_selects_gates_and_adopts(tmp_path, monkeypatch):
+    good = "Reply with go east, exactly as written."
+    _fake_scores(monkeypatch, good)
+    base = ["model.name=tiny-random", "env.name=toy-corridor", "sampling.max_new_tokens=4", "train.prompts_per_step=2",
+            "train.group_size=2", "eval.n=0", "gate.mode=gate", "gate.every=100", "gate.n=16", "gate.prompt_every=1",
+            "gate.prompt_select_n=4", "run.checkpoint_every=1"]
+    cfg = load_config(None, base + ["train.steps=1"])
+    run = grpo.train(cfg, tmp_path / "p", log=lambda *_: None)
+    assert cfg.agent.instruction == good  # adopted: rollouts and evaluations now use it
+    store, lin = _lineage(run)
+    (cand,) = [c for c in lin.candidates("prompt") if not c.is_root]
+    assert cand.accepted and cand.payload["text"] == good and cand.payload["selection_rate"] == 1.0
+    assert cand.payload["seeds"][0] >= 1_500_000_000  # prompt rounds use their own part of the gate split
+    store.close()
+    resumed = load_config(None, base + ["train.steps=1"])
+    grpo.train(resumed, run, resume=True, log=lambda *_: None)
+    assert resumed.agent.instruction == good  # a resumed run restores the admitted prompt
+
+
+def test_prompt_round_in_log_mode_never_adopts(tmp_path, monkeypatch):
+    good = "Reply with go east, exactly as written."
+    _fake_scores(monkeypatch, good)
+    cfg = load_config(None, ["model.name=tiny-random", "env.name=toy-corridor", "sampling.max_new_tokens=4", "train.prompts_per_step=2",
+                             "train.group_size=2", "eval.n=0", "gate.mode=log", "gate.every=100", "gate.n=16", "gate.prompt_every=1",
+                             "gate.prompt_select_n=4", "train.steps=1"])
+    original = cfg.agent.instruction
+    grpo.train(cfg, tmp_path / "p", log=lambda *_: None)
+    assert cfg.agent.instruction == original

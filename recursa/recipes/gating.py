@@ -131,3 +131,141 @@ class WeightsGate:
         self.lineage.record_test_look(
             step, label, cmp["n"], cmp["before_rate"], cmp["after_rate"], cmp["diff_ci95"], cmp["p_greater"], self.cfg.gate.max_test_looks
         )
+
+
+# ------------------------------------------------------------------------------ prompts
+
+PROMPT_MARKER = "INSTRUCTION:"
+PROMPT_GATE_BASE = 500_000_000  # prompt rounds draw gate items from the upper half of the gate split
+
+
+def prompt_proposal_request(current: str, failures: list[tuple[str, str]], max_chars: int) -> str:
+    """The user message asking the policy for a revised prompt, shown its recent failures
+    as (what it was asked, what it answered) pairs."""
+    lines = ["You write the instruction given to an AI agent.", f"Current instruction: {current.strip() or '(none)'}", ""]
+    lines.append("Cases where the agent failed:")
+    for asked, answered in failures:
+        lines.append(f"- Asked: {_squash(asked, 300)}")
+        lines.append(f"  Answered: {_squash(answered, 120)}")
+    lines += ["", f"Write one improved instruction (at most {max_chars} characters) that would help the agent succeed.",
+              f"Reply with one line that starts with {PROMPT_MARKER}"]
+    return "\n".join(lines)
+
+
+def parse_prompt_proposal(reply: str, max_chars: int) -> str | None:
+    """The proposed instruction, or None when the reply is malformed (same checks as a
+    written skill: letters, ASCII, length, no repetition). Never raises."""
+    from recursa.skills import parse_skill
+
+    text = reply if isinstance(reply, str) else ""
+    at = text.upper().find(PROMPT_MARKER)
+    if at >= 0:
+        text = text[at + len(PROMPT_MARKER) :]
+    parsed = parse_skill(text, max_words=max_chars, max_chars=max_chars)
+    return parsed.text if parsed.valid else None
+
+
+def _squash(text: str, limit: int) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class PromptGate:
+    """Prompt proposals by the policy itself (the harness step of Self-HPO), admitted only
+    by the gate. The revised text is the games' agent instruction (`agent.instruction`,
+    the last line of every turn's prompt) or, for single-turn tasks, the system prompt
+    (`model.system_prompt`; an env's own system prompt still takes precedence).
+
+    A round: the policy reads its recent failures and samples `prompt_candidates`
+    proposals; malformed or unchanged ones are dropped; the best proposal on
+    `prompt_select_n` training items (greedy) is then scored with the incumbent prompt on
+    `gate.n` fresh gate items (never used for selection) and gated like weights. An
+    admitted prompt is written into the run's config object, so rollouts, evaluations and
+    the weights gate all use it from then on; a resumed run restores it from the lineage.
+    """
+
+    def __init__(self, cfg, store: RunStore, pool: EnvPool, lineage: Lineage, multi_turn: bool, log: Callable[[str], None] = print):
+        gc = cfg.gate
+        self.cfg, self.store, self.pool, self.lineage, self.multi_turn, self.log = cfg, store, pool, lineage, multi_turn, log
+        self.gate_cfg = GateConfig(
+            alpha=gc.alpha, delta=gc.delta, max_regressions=gc.max_regressions, regression_rate=gc.regression_rate,
+            regression_confidence=gc.regression_confidence, spending=gc.spending,
+        )
+        if not lineage.candidates("prompt"):
+            lineage.root("prompt", _squash(self.text, 80), {"text": self.text}, step=0)
+        if gc.mode == "gate":
+            self._apply(lineage.incumbent("prompt").payload["text"])  # the admitted prompt, also after a resume
+
+    @property
+    def text(self) -> str:
+        return self.cfg.agent.instruction if self.multi_turn else (self.cfg.model.system_prompt or "")
+
+    def _apply(self, text: str) -> None:
+        if self.multi_turn:
+            self.cfg.agent.instruction = text
+        else:
+            self.cfg.model.system_prompt = text
+
+    def _score(self, policy: Policy, text: str, split: str, seeds: list[int], label: str) -> EvalResult:
+        cfg = self.cfg
+        agent = cfg.agent.model_copy(update={"instruction": text}) if self.multi_turn else cfg.agent
+        system_prompt = cfg.model.system_prompt if self.multi_turn else text
+        return evaluate(
+            policy, self.pool, cfg.env.name, split, len(seeds), cfg.eval.max_new_tokens or cfg.sampling.max_new_tokens,
+            system_prompt or None, batch_size=cfg.eval.batch_size, stop=tuple(cfg.sampling.stop), label=label, agent=agent, seeds=seeds,
+        )
+
+    def propose(self, policy: Policy, failures: list[tuple[str, str]], generator: torch.Generator) -> tuple[list[str], int]:
+        """Sampled proposals (valid, distinct, different from the current prompt) and the
+        number of replies dropped as malformed."""
+        from recursa.generation import SamplingParams, generate
+        from recursa.rollout import render_prompt
+
+        gc = self.cfg.gate
+        request = prompt_proposal_request(self.text, failures, gc.prompt_max_chars)
+        ids = render_prompt(policy.tokenizer, request, None)
+        params = SamplingParams(max(16, gc.prompt_max_chars // 3), 1.0)
+        samples = generate(policy.causal_lm, policy.tokenizer, [ids], params, n=gc.prompt_candidates, generator=generator)
+        out, dropped = [], 0
+        for s in samples:
+            text = parse_prompt_proposal(policy.tokenizer.decode(s.token_ids, skip_special_tokens=True), gc.prompt_max_chars)
+            if text is None:
+                dropped += 1
+            elif text != self.text and text not in out:
+                out.append(text)
+        return out, dropped
+
+    def check(self, policy: Policy, step: int, failures: list[tuple[str, str]], generator: torch.Generator) -> dict:
+        """One prompt round at `step`; returns prompt/* metrics."""
+        from recursa.envs.base import split_seed
+
+        gc = self.cfg.gate
+        proposals, dropped = self.propose(policy, failures, generator)
+        metrics = {"prompt/proposals": float(len(proposals)), "prompt/malformed": float(dropped)}
+        if not proposals:
+            self.log(f"prompt round @ {step}: no usable proposal ({dropped} malformed)")
+            return metrics
+        rng_seeds = torch.randint(0, 10_000_000, (gc.prompt_select_n,), generator=generator).tolist()
+        select = [split_seed("train", int(s)) for s in rng_seeds]
+        scored = [(self._score(policy, p, "train", select, "prompt selection").success_rate, i, p) for i, p in enumerate(proposals)]
+        best_rate, _, best = max(scored, key=lambda x: (x[0], -x[1]))
+        t = len(self.lineage.candidates("prompt"))  # the root plus t - 1 earlier rounds
+        seeds = [split_seed("gate", PROMPT_GATE_BASE + (t - 1) * gc.n + i) for i in range(gc.n)]
+        cand = self._score(policy, best, "gate", seeds, "prompt candidate")
+        inc = self._score(policy, self.text, "gate", seeds, "prompt incumbent")
+        inc_ok = {i.seed: i.success for i in inc.items}
+        decision = binary_gate([inc_ok[i.seed] for i in cand.items], [i.success for i in cand.items], self.gate_cfg, t=t)
+        incumbent = self.lineage.incumbent("prompt")
+        self.lineage.record("prompt", incumbent.id, step, _squash(best, 80), {"text": best, "selection_rate": best_rate, "seeds": [seeds[0], seeds[-1]]}, decision)
+        adopted = decision.accepted and gc.mode == "gate"
+        if adopted:
+            self._apply(best)
+        self.log(
+            f"prompt round @ {step}: {best!r} ({best_rate:.2f} on {gc.prompt_select_n} training items) vs the current prompt on {gc.n} fresh gate items: "
+            f"{inc.success_rate:.3f} -> {cand.success_rate:.3f}, p={decision.p_value:.3g}: {'adopted' if adopted else 'rejected' if not decision.accepted else 'accepted, not adopted (log mode)'}"
+        )
+        metrics.update({
+            "prompt/accepted": float(decision.accepted), "prompt/p_value": decision.p_value, "prompt/gain": decision.gain,
+            "prompt/selection_rate": best_rate, "prompt/incumbent_rate": inc.success_rate, "prompt/candidate_rate": cand.success_rate,
+        })
+        return metrics

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -33,7 +34,7 @@ from recursa.envs import EnvPool, make_env, split_seed
 from recursa.generation import SamplingParams, prefix_lengths, sequence_logprobs, shared_prefix_logprobs
 from recursa.models import Policy, count_parameters, load_policy
 from recursa.recipes.common import Progress, init_weights_dir, lr_at, make_optimizer, run_eval, step_generator
-from recursa.recipes.gating import WeightsGate
+from recursa.recipes.gating import PromptGate, WeightsGate
 from recursa.rollout import is_agent_env, rollout, rollout_episodes
 from recursa.store import RunStore
 from recursa.trajectory import Episode, TrainBatch, Trajectory, collate
@@ -247,6 +248,8 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
     gate = WeightsGate(cfg, store, pool, start_step, log) if cfg.gate.mode != "off" else None
     if gate is not None:
         gate.start(policy, optimizer, f"{cfg.model.name}{start_from}")
+    prompts = PromptGate(cfg, store, pool, gate.lineage, multi_turn, log) if gate is not None and cfg.gate.prompt_every else None
+    failures: deque[tuple[str, str]] = deque(maxlen=4)  # recent failures, what prompt proposals read
 
     if start_step == 0 and cfg.eval.before and cfg.eval.n > 0 and not (out / "eval" / "before.json").exists():
         r = run_eval(policy, cfg, pool, store, 0, "before", progress)
@@ -270,6 +273,7 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
             rewards = torch.tensor([e.total_reward for e in episodes], dtype=torch.float32).view(B, G)  # (B, G)
             advantages = compute_advantages(cfg.algo.advantage, rewards)  # (B, G)
             trajs, row_advantages, episode_metrics = episode_rows(episodes, advantages, cfg)
+            failures.extend((f"{e.task} {e.turns[-1].observation}", " | ".join(t.action for t in e.turns[-3:])) for e in episodes if not e.won and e.turns)
         else:
             ro = rollout(policy, pool, seeds, G, sampling, gen, system_prompt)
             trajs, gen_stats = ro.trajectories, ro.stats
@@ -277,6 +281,7 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
             rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32).view(B, G)  # (B, G)
             advantages = compute_advantages(cfg.algo.advantage, rewards)  # (B, G)
             row_advantages = advantages.view(-1)
+            failures.extend((t.prompt_text, t.completion_text) for t in trajs if not t.success)
         batch = collate(trajs, row_advantages, policy.tokenizer.pad_token_id)
         st = update(policy, optimizer, batch, cfg, gen, opt_step)
         opt_step += st.opt_steps
@@ -323,6 +328,8 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
             f"clip {st.clip_frac:.3f}  rollout {t1 - t0:.1f}s  update {t2 - t1:.1f}s"
         )
         done = step + 1
+        if prompts is not None and done % cfg.gate.prompt_every == 0 and failures:
+            store.log_metrics(done, prompts.check(policy, done, list(failures), gen))
         if gate is not None and (done % cfg.gate.every == 0 or done == cfg.train.steps):
             store.log_metrics(done, gate.check(policy, optimizer, done, progress))
         if cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.train.steps and cfg.eval.n > 0:
