@@ -3,12 +3,13 @@
 A turn's prompt is one user message (rendered with the model's chat template):
 
     <task line>
+    <hint block, when the caller gives one: a skill, a walkthrough (RSIPO's teacher contexts)>
     Recent history (last k turns): observation / action pairs
     Current observation
     Admissible actions, one per line
     an instruction to answer with one action
 
-The task line comes first and is never truncated; history is limited to the last
+The task line comes first and is never truncated, nor is a hint; history is limited to the last
 `history_turns` turns, and long texts are clipped at `max_obs_chars` characters, so the
 prompt stays bounded however long the episode runs.
 
@@ -61,9 +62,13 @@ def render_turn(
     admissible: list[str] | None,
     history: list[tuple[str, str]],
     cfg: AgentConfig,
+    hint: str | None = None,
 ) -> str:
-    """The user message for one turn; `history` holds earlier (observation, action) pairs."""
+    """The user message for one turn; `history` holds earlier (observation, action) pairs.
+    A `hint` (e.g. a retrieved skill) goes right after the task line, never clipped."""
     lines = [task.strip() or "Play the game.", ""]
+    if hint:
+        lines.extend([hint.strip(), ""])
     recent = history[-cfg.history_turns :] if cfg.history_turns else []
     if recent:
         lines.append(f"Recent history (last {len(recent)} turns):")

@@ -249,14 +249,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--debug", action="store_true", help="show tracebacks for user errors")
     sub = p.add_subparsers(dest="command", required=True)
 
-    t = sub.add_parser("train", help="train a policy with a recipe config (TOML): grpo, sft or rft (expert iteration)")
+    t = sub.add_parser("train", help="train a policy with a recipe config (TOML): grpo, rsipo, sft or rft (expert iteration)")
     t.add_argument("config", nargs="?", help="recipe config, e.g. examples/smoke.toml")
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value, e.g. --set train.lr=1e-5 (repeatable)")
     t.add_argument("--out", help="run directory (default: run.out from the config)")
     t.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
     t.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
     t.add_argument("--help-config", action="store_true", help="list every config key of --recipe with its default and meaning")
-    t.add_argument("--recipe", default="grpo", choices=["grpo", "sft", "rft"], help="the recipe --help-config describes (a config file names its own)")
+    t.add_argument("--recipe", default="grpo", choices=["grpo", "rsipo", "sft", "rft"], help="the recipe --help-config describes (a config file names its own)")
     t.set_defaults(func=cmd_train)
 
     e = sub.add_parser("eval", help="evaluate a model or a run's checkpoint on held-out items")

@@ -206,6 +206,101 @@ class GRPOConfig(_Section):
         return self
 
 
+class TeacherConfig(_Section):
+    """RSIPO's self-teacher: the policy (at the rollout's weights) re-scores its own sampled
+    action tokens with extra text in the context; Delta_t = log pi(a_t | context + hint) -
+    log pi(a_t | context) is turned into a token advantage (or an imitation weight)."""
+
+    source: Literal["skill", "reference", "sibling", "none"] = Field(
+        "skill",
+        description="the teacher's extra context: a skill retrieved from the library (RSIPO); the walkthrough (games) / reference answer (single-turn) (OPSD); a successful sibling of the same group (SDPO); none (GRPO: no teacher scoring at all)",
+    )
+    lam: float = Field(1.0, ge=0, description="lambda: A_t = A_outcome + lambda * T_g * psi(Delta_t) (mode 'advantage'), or the imitation term's weight (mode 'imitation'); 0 = score and log the teacher only")
+    mode: Literal["advantage", "imitation"] = Field("advantage", description="advantage: the teacher term is added to the token advantage; imitation (SEED-like): loss += lambda * token mean of -T_g sigmoid(Delta_t / imitation_temperature) log pi(a_t)")
+    route: Literal["all", "failed"] = Field("all", description="rows the teacher term applies to: all, or only trajectories that failed (SRPO routing)")
+    weighting: Literal["none", "pass_rate"] = Field("none", description="pass_rate: the teacher term of each trajectory x sqrt(p (1 - p)), p = its group's pass rate (SC-SDPO)")
+    scale: Literal["std", "mad", "none"] = Field("std", description="psi: Delta divided by this batch scale over the teacher rows' tokens")
+    clip: float = Field(3.0, gt=0, description="psi: clip of Delta / scale")
+    negative_scale: float = Field(1.0, ge=0, description="psi: factor on negative values (< 1 softens the teacher's rejections)")
+    imitation_temperature: float = Field(1.0, gt=0, description="mode 'imitation': the gate is sigmoid(Delta / temperature)")
+    max_hint_chars: int = Field(600, gt=0, description="the reference / walkthrough / sibling text inserted into the teacher context is clipped to this many characters")
+
+
+class TrustSettings(_Section):
+    """Calibrated trust T_g in the self-teacher of each skill group (recursa.algorithms.trust)."""
+
+    mode: Literal["calibrated", "fixed"] = Field("calibrated", description="calibrated: empirical-Bayes trust from agreement trials; fixed: T_g = trust.fixed for every group (OPID-like)")
+    fixed: float = Field(1.0, ge=0, le=1, description="the trust of every group in mode 'fixed'")
+    decay: float = Field(0.9, gt=0, le=1, description="old agreement counts x decay at every step")
+    prior_mean: float = Field(0.5, ge=0, le=1, description="cold-start prior mean of the agreement rate (0.5: trust 0 until evidence)")
+    prior_strength: float = Field(2.0, gt=0, description="cold-start prior strength alpha0 + beta0")
+    min_strength: float = Field(2.0, gt=0, description="lower clamp of the fitted prior strength")
+    max_strength: float = Field(100.0, gt=0, description="upper clamp of the fitted prior strength")
+    warmup_steps: int = Field(0, ge=0, description="steps during which every group has the cold-start trust")
+    threshold: float = Field(0.0, ge=0, description="an agreement trial needs |mean Delta| above this")
+
+    @model_validator(mode="after")
+    def _check(self) -> "TrustSettings":
+        if self.min_strength > self.max_strength:
+            raise ValueError(f"trust.min_strength = {self.min_strength} must be <= trust.max_strength = {self.max_strength}")
+        return self
+
+
+class SkillsConfig(_Section):
+    """Skills written by the policy from its own trajectories, rewarded by replay, kept in the
+    run's library (ledger.sqlite) and retrieved per task into the teacher's context."""
+
+    enabled: bool = Field(True, description="write skills each step (needed by teacher.source = 'skill')")
+    write_per_group: int = Field(2, ge=0, description="trajectories per group that get skills written: alternately a success and a failure, where present")
+    candidates: int = Field(4, ge=1, description="K: candidate skills sampled per trajectory (one batched generate call)")
+    max_new_tokens: int = Field(32, gt=0, description="length cap of a written skill, in tokens")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature of skill writing")
+    prefill: bool = Field(True, description="start the assistant's reply with 'SKILL:' (the rule follows; easier for small models)")
+    max_words: int = Field(25, gt=0, description="soft cap: each word beyond it costs length_penalty")
+    max_chars: int = Field(300, gt=0, description="hard cap: a longer rule is invalid")
+    trajectory_chars: int = Field(1200, gt=0, description="the trajectory shown to the writer is cut to this many characters")
+    retrieve_k: int = Field(1, ge=1, description="skills retrieved into a task's teacher context")
+    retrieval: Literal["bm25", "embedding"] = Field("bm25", description="retrieval by BM25 over the task text and first observation, or by sentence embeddings")
+    replay_reward: bool = Field(True, description="score candidates by replay (r(s)); off: the first valid candidate enters the library and writing is not trained")
+    coef: float = Field(0.1, ge=0, description="lambda_skill: the writing tokens' advantage is coef x the group-normalised replay reward (0: not trained)")
+    replay_size: int = Field(4, gt=0, description="M: earlier trajectories replayed per candidate (other seeds; successes and failures balanced)")
+    replay_turns: int = Field(2, gt=0, description="turns of each replayed episode scored (a seeded random subset)")
+    buffer_size: int = Field(256, gt=0, description="trajectories kept in the replay buffer (the most recent)")
+    replay_clip: float = Field(1.0, gt=0, description="c: D(s, tau') is clipped to [-c, c]")
+    length_penalty: float = Field(0.05, ge=0, description="reward cost per word over max_words")
+    invalid_reward: float = Field(-1.0, description="reward of a malformed candidate")
+    admit_min_reward: float | None = Field(None, description="admit the best candidate only if its replay reward exceeds this (None: always the best valid one)")
+
+
+class RSIPOConfig(_Section):
+    """The RSIPO recipe (`recursa/recipes/rsipo.py`): GRPO plus skills written by the policy,
+    a self-teacher conditioned on them, and calibrated trust in that teacher."""
+
+    recipe: Literal["rsipo"] = "rsipo"
+    init: InitConfig = Field(default_factory=InitConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    agent: AgentConfig = Field(default_factory=AgentConfig)
+    algo: AlgoConfig = Field(default_factory=AlgoConfig)
+    teacher: TeacherConfig = Field(default_factory=TeacherConfig)
+    trust: TrustSettings = Field(default_factory=TrustSettings)
+    skills: SkillsConfig = Field(default_factory=SkillsConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    gate: GateSettings = Field(default_factory=GateSettings)
+    run: RunConfig = Field(default_factory=lambda: RunConfig(out="runs/rsipo"))
+
+    @model_validator(mode="after")
+    def _check(self) -> "RSIPOConfig":
+        GRPOConfig._check(self)  # same batching, temperature and test-look rules
+        if self.teacher.source == "skill" and not self.skills.enabled:
+            raise ValueError("teacher.source = 'skill' needs skills.enabled = true; or choose teacher.source = 'reference', 'sibling' or 'none'")
+        if self.teacher.source == "none" and self.teacher.lam > 0:
+            raise ValueError("teacher.lam > 0 needs a teacher: set teacher.source ('skill', 'reference', 'sibling'), or teacher.lam = 0")
+        return self
+
+
 class DataConfig(_Section):
     """Demonstrations for SFT (built by `recursa/demos.py`, training seeds only)."""
 
@@ -276,8 +371,8 @@ class RFTConfig(_Section):
         return self
 
 
-RecipeConfig = GRPOConfig | SFTConfig | RFTConfig
-RECIPES: dict[str, type[BaseModel]] = {"grpo": GRPOConfig, "sft": SFTConfig, "rft": RFTConfig}
+RecipeConfig = GRPOConfig | SFTConfig | RFTConfig | RSIPOConfig
+RECIPES: dict[str, type[BaseModel]] = {"grpo": GRPOConfig, "sft": SFTConfig, "rft": RFTConfig, "rsipo": RSIPOConfig}
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:

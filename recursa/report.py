@@ -255,6 +255,31 @@ def _make_plots(records: Sequence[dict], plot_dir: Path) -> list[tuple[str, Path
                 plot_dir / "rft.png", "pass@1, tasks solved, diversity of attempts and of successes", "rate",
             ),
         ),
+        (
+            "Self-teacher (RSIPO): share of the token advantage, rows taught, corr(Delta, outcome advantage)",
+            _line_plot(
+                records, ["teacher/share", "teacher/rows_frac", "teacher/corr_delta_adv"], plot_dir / "teacher.png",
+                "Self-teacher: advantage share, rows with a hint, agreement with the outcome", "value",
+            ),
+        ),
+        (
+            "Trust in the self-teacher (RSIPO)",
+            _line_plot(
+                records, ["trust/mean", "trust/min", "trust/max", "teacher/trust_applied_mean", "trust/agreement"], plot_dir / "trust.png",
+                "Trust per skill group (summary) and this step's agreement rate", "trust",
+            ),
+        ),
+        (
+            "Skill writing (RSIPO)",
+            _line_plot(
+                records, ["skills/valid_frac", "skills/replay_reward_mean", "skills/replay_reward_max"], plot_dir / "skills.png",
+                "Written skills: valid fraction and replay reward", "value",
+            ),
+        ),
+        (
+            "Skill library size (RSIPO)",
+            _line_plot(records, ["skills/library_size"], plot_dir / "skill_library.png", "Active skills in the library", "skills"),
+        ),
     ]
     return [(caption, p) for caption, p in made if p is not None]
 

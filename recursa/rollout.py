@@ -169,6 +169,7 @@ def rollout_episodes(
                     anchor=str(anchors[i]),
                     reward=float(result.reward),
                     invalid=bool(info.get("invalid", False)),
+                    admissible=admissible[i],
                 )
             )
             history[i].append((obs[i], parsed.action))

@@ -51,7 +51,7 @@ class TrainBatch:
     attention_mask: torch.Tensor  # (N, L) long, 1 on real tokens
     action_mask: torch.Tensor  # (N, L) float, 1 on action tokens
     sample_logprobs: torch.Tensor  # (N, L) float, sampler log-probs on action tokens
-    advantages: torch.Tensor  # (N,) float, outcome advantage per sequence
+    advantages: torch.Tensor  # (N,) float, per sequence, or (N, L) per token (RSIPO's token advantages)
     rewards: torch.Tensor  # (N,) float
 
     def __len__(self) -> int:
@@ -66,7 +66,7 @@ class TrainBatch:
             attention_mask=self.attention_mask[idx, :length],
             action_mask=self.action_mask[idx, :length],
             sample_logprobs=self.sample_logprobs[idx, :length],
-            advantages=self.advantages[idx],
+            advantages=self.advantages[idx, :length] if self.advantages.dim() == 2 else self.advantages[idx],
             rewards=self.rewards[idx],
         )
 
@@ -103,6 +103,7 @@ class Turn:
     anchor: str  # state key for step-level grouping (GiGPO)
     reward: float
     invalid: bool
+    admissible: list[str] | None = None  # the actions listed in the prompt (to render it again, e.g. with a skill)
 
 
 @dataclass

@@ -27,6 +27,7 @@ from typing import Callable
 import torch
 
 from recursa.algorithms.advantages import compute_advantages
+from recursa.algorithms.distill import imitation_loss
 from recursa.algorithms.gigpo import step_advantages
 from recursa.algorithms.losses import ppo_clip_loss
 from recursa.config import GRPOConfig, dump_config
@@ -59,6 +60,15 @@ class UpdateStats:
     rows_run: int = 0  # rows forwarded (summed over epochs); fewer than rows x epochs when zero-advantage rows are skipped
 
 
+@dataclass
+class Imitation:
+    """An extra loss term, coef x the token mean of -w_t log pi(a_t) over the mini-batch's
+    action tokens (`distill.imitation_loss`): RSIPO's SEED-like self-teacher."""
+
+    weights: torch.Tensor  # (N, L) aligned with the batch, 0 off the action tokens
+    coef: float
+
+
 def update(
     policy: Policy,
     optimizer: torch.optim.Optimizer,
@@ -66,13 +76,16 @@ def update(
     cfg: GRPOConfig,
     generator: torch.Generator,
     opt_step: int,
+    imitation: Imitation | None = None,
 ) -> UpdateStats:
-    """epochs x mini-batches of PPO-clip on one rollout batch; returns averaged stats."""
+    """epochs x mini-batches of PPO-clip on one rollout batch; returns averaged stats.
+
+    `batch.advantages` is (N,) per row or (N, L) per token; `imitation` adds its term to
+    the loss (RSIPO). Without either generalisation this is the GRPO update."""
     tc, ac = cfg.train, cfg.algo
     model = policy.causal_lm
     temperature = cfg.sampling.temperature
     n = len(batch)
-    mb_size = n // tc.mini_batches
     single_update = tc.epochs == 1 and tc.mini_batches == 1
     logprobs = shared_prefix_logprobs if tc.shared_prefix else sequence_logprobs
     if tc.old_logprobs == "sampling":
@@ -95,7 +108,7 @@ def update(
         # shuffle whole prompt groups, so the rows of a group share micro-batches (and prefills)
         order = torch.cat([groups[int(g)] for g in torch.randperm(len(groups), generator=generator)])
         for m in range(tc.mini_batches):
-            mb_idx = order[m * mb_size : (m + 1) * mb_size]
+            mb_idx = order[m * n // tc.mini_batches : (m + 1) * n // tc.mini_batches]  # every row, also when n % mini_batches != 0 (games)
             num_tokens = int(batch.action_mask[mb_idx].sum().item())
             for g in optimizer.param_groups:
                 g["lr"] = lr_at(cfg, opt_step)
@@ -106,7 +119,11 @@ def update(
             # exactly the full batch's. Zero-variance groups are common late in training.
             work = mb_idx
             if tc.skip_zero_advantage and ac.kl_coef == 0:
-                work = mb_idx[batch.advantages[mb_idx] != 0]
+                live = batch.advantages[mb_idx] != 0
+                live = live.any(dim=1) if live.dim() == 2 else live
+                if imitation is not None and imitation.coef > 0:
+                    live = live | (imitation.weights[mb_idx] != 0).any(dim=1)
+                work = mb_idx[live]
             out.rows_run += len(work)
             for lo in range(0, len(work), tc.micro_batch_size):
                 idx = work[lo : lo + tc.micro_batch_size]
@@ -130,6 +147,9 @@ def update(
                     kl_coef=ac.kl_coef,
                     kl_estimator=ac.kl_estimator,
                 )
+                if imitation is not None and imitation.coef > 0:
+                    weights = imitation.weights[idx, :L]
+                    loss = loss + imitation.coef * imitation_loss(logp, weights, mb.action_mask, num_tokens=num_tokens)
                 loss.backward()
                 w = float(mb.action_mask.sum().item()) / max(num_tokens, 1)
                 out.loss += loss.item()

@@ -1,0 +1,606 @@
+"""The RSIPO recipe: prompt re-rendering with a skill, teacher and replay scoring against
+direct log-prob calls, the loop end to end on the tiny model (single-turn and games), the
+ablation configs, resume, malformed skills, and equality with GRPO when the teacher is off."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import recursa.recipes.rsipo as rsipo
+from recursa.agent import AgentConfig
+from recursa.config import load_config
+from recursa.envs import make_env
+from recursa.generation import Sample, SamplingParams, generate, sequence_logprobs
+from recursa.models import load_policy
+from recursa.recipes import grpo
+from recursa.recipes.rsipo import (
+    Attempt,
+    Context,
+    Writing,
+    choose_sources,
+    completion_attempts,
+    episode_attempts,
+    replay_rewards,
+    score_actions,
+    skill_hint,
+    teacher_logprobs,
+    user_message,
+)
+from recursa.rollout import render_prompt, rollout, rollout_episodes
+from recursa.skills import ParsedSkill, SkillLibrary
+
+REPO = Path(__file__).resolve().parent.parent
+ABLATIONS = sorted((REPO / "examples" / "rsipo_ablations").glob("*.toml"))
+FAST = ["model.name=tiny-random", "run.threads=1", "train.lr=1e-3", "eval.n=0", "sampling.max_new_tokens=5"]
+VOLATILE = ("time/", "throughput/")  # wall-clock metrics differ between any two runs
+
+
+def _cfg(*sets, path=None):
+    return load_config(path, [*FAST, *sets], recipe="rsipo")
+
+
+def _rows(run: Path, name: str = "metrics") -> list[dict]:
+    path = run / f"{name}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _train_rows(run: Path) -> list[dict]:
+    return [r for r in _rows(run) if "reward/mean" in r]
+
+
+def _stable(row: dict) -> dict:
+    return {k: v for k, v in row.items() if not k.startswith(VOLATILE)}
+
+
+def _same(a, b) -> bool:
+    """Equal, with NaN equal to NaN (metrics of steps without a teacher are NaN)."""
+    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
+        return True
+    return a == b
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """One torch thread in this module: on a shared 2-core machine the tiny model runs many
+    times faster on one thread than on two (the recipes set run.threads themselves)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+GOOD_SKILL = "Go east to reach the last room."
+
+
+def _always_valid(reply, max_words, max_chars):
+    """A stand-in for parse_skill: every reply reads as GOOD_SKILL (the tiny random model
+    writes junk that BM25 would never retrieve for the corridor's task)."""
+    return ParsedSkill(GOOD_SKILL, True, "ok", len(GOOD_SKILL.split()), 0)
+
+
+@pytest.fixture
+def corridor_episodes(tiny_policy):
+    ro = rollout_episodes(
+        tiny_policy, lambda: make_env("toy-corridor", max_steps=3), [1, 2], 2,
+        SamplingParams(max_new_tokens=5), torch.Generator().manual_seed(0), None, AgentConfig(history_turns=1),
+    )
+    return ro.episodes
+
+
+# ----------------------------------------------------------------------------- contexts
+
+
+def test_rerendered_context_is_the_exact_prompt(tiny_policy, corridor_episodes):
+    tok = tiny_policy.tokenizer
+    agent = AgentConfig(history_turns=1)
+    attempts = episode_attempts(corridor_episodes, 1, agent)
+    for episode, attempt in zip(corridor_episodes, attempts):
+        assert len(attempt.contexts) == len(episode.turns) == 3
+        for turn, ctx in zip(episode.turns, attempt.contexts):
+            assert render_prompt(tok, user_message(ctx, agent), None) == turn.prompt_ids
+    # single-turn: the user message is the observation itself
+    ro = rollout(tiny_policy, lambda: make_env("toy-digits"), [3, 4], 2, SamplingParams(max_new_tokens=4), torch.Generator().manual_seed(0), None)
+    for traj, attempt in zip(ro.trajectories, completion_attempts(ro.trajectories, 1)):
+        first = traj.action_mask.index(1)
+        assert render_prompt(tok, user_message(attempt.contexts[0], agent), None) == traj.token_ids[:first]
+        assert attempt.actions[0] == traj.token_ids[first:]
+
+
+def test_hint_follows_the_task_line_and_survives_truncation():
+    agent = AgentConfig(history_turns=2, max_obs_chars=40)
+    ctx = Context("Your task is to: reach room 3.", "x" * 500, ["go east", "wait"], [("y" * 300, "wait")])
+    hint = skill_hint(["Always go east first, never wait when the exit is east of you."])
+    text = user_message(ctx, agent, hint)
+    assert text.startswith("Your task is to: reach room 3.\n\n" + hint + "\n\n")
+    assert "x" * 41 not in text and "- go east" in text
+    assert user_message(ctx, agent) == user_message(ctx, agent, None) and hint not in user_message(ctx, agent)
+    single = Context(None, "Write digits. Item 3.")
+    assert user_message(single, agent, hint) == "Write digits. Item 3.\n\n" + hint
+
+
+def test_attempt_json_round_trip(corridor_episodes):
+    attempts = episode_attempts(corridor_episodes, 4, AgentConfig(history_turns=1))
+    again = [Attempt.from_json(json.loads(json.dumps(a.to_json()))) for a in attempts]
+    assert again == attempts
+
+
+def test_choose_sources_takes_a_success_and_a_failure_per_group():
+    def att(ok):
+        return Attempt("e", 0, 1, 0, ok, "t", [Context(None, "o")], [[1]], ["r"])
+
+    attempts = [att(x) for x in (False, True, False, False, False, False, False, False)]  # groups of 4
+    picked = choose_sources(attempts, 2, 4, 2, torch.Generator().manual_seed(0))
+    assert picked[0] == 1 and not attempts[picked[1]].success and picked[1] < 4  # group 0: its one success, then a failure
+    assert len(picked) == 4 and all(4 <= j < 8 for j in picked[2:]) and picked[2] != picked[3]  # group 1: all failed
+    assert choose_sources(attempts, 2, 4, 0, torch.Generator()) == []
+
+
+# ----------------------------------------------------------------------------- teacher and replay scoring
+
+
+def test_teacher_delta_equals_two_direct_logprob_calls(tiny_policy, corridor_episodes):
+    """Delta of every action token = sequence_logprobs with the skill in the prompt minus
+    sequence_logprobs of the row as sampled, both computed here directly."""
+    cfg = _cfg("env.name=toy-corridor", "agent.history_turns=1", "train.micro_batch_size=3")
+    tok = tiny_policy.tokenizer
+    attempts = episode_attempts(corridor_episodes, 1, cfg.agent)
+    rows = [r for e in corridor_episodes for r in e.rows()]
+    contexts = [c for a in attempts for c in a.contexts]
+    hint = skill_hint([GOOD_SKILL])
+    hints = [hint if i % 3 != 1 else None for i in range(len(rows))]
+    teacher, student = teacher_logprobs(tiny_policy, rows, contexts, hints, cfg, None)
+    model = tiny_policy.causal_lm
+    for row, ctx, h, lt, ls in zip(rows, contexts, hints, teacher, student):
+        n = row.num_action_tokens
+        if h is None:
+            assert torch.equal(lt, torch.zeros(n)) and torch.equal(ls, torch.zeros(n))
+            continue
+        first = row.action_mask.index(1)
+        prompt_t = render_prompt(tok, user_message(ctx, cfg.agent, h), None)
+        assert len(prompt_t) > first
+        with torch.no_grad():
+            ids_t = torch.tensor([prompt_t + row.token_ids[first:]])
+            want_t, _ = sequence_logprobs(model, ids_t, torch.ones_like(ids_t), (torch.arange(ids_t.shape[1]) >= len(prompt_t)).float()[None])
+            ids_s = torch.tensor([row.token_ids])
+            want_s, _ = sequence_logprobs(model, ids_s, torch.ones_like(ids_s), torch.tensor([row.action_mask], dtype=torch.float32))
+        assert torch.allclose(lt, want_t[0, len(prompt_t):], atol=1e-5)
+        assert torch.allclose(ls, want_s[0, first:], atol=1e-5)
+        assert (lt - ls).abs().max() > 0  # the skill changed the context, so the teacher differs
+
+
+def test_score_actions_same_with_and_without_shared_prefix(tiny_policy):
+    tok = tiny_policy.tokenizer
+    p1, p2 = render_prompt(tok, "first question", None), render_prompt(tok, "second, longer question here", None)
+    pairs = [(p1, [11, 12, 13]), (p2, [14]), (p1, [15, 16]), (p2, [17, 18, 19, 20])]
+    shared = score_actions(tiny_policy, pairs, _cfg("train.shared_prefix=true", "train.micro_batch_size=3"))
+    naive = score_actions(tiny_policy, pairs, _cfg("train.shared_prefix=false", "train.micro_batch_size=1"))
+    assert [len(x) for x in shared] == [3, 1, 2, 4]
+    for a, b in zip(shared, naive):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_replay_reward_by_hand(tiny_policy):
+    """r(s) = mean_tau' y(tau') clip(D(s, tau'), -c, c) with D the mean over tau''s scored
+    action tokens of log pi(a | ctx + s) - log pi(a | ctx); an invalid candidate gets
+    invalid_reward; a candidate's advantage is normalised within its K."""
+    cfg = _cfg("skills.candidates=2", "skills.replay_size=2", "skills.replay_turns=5", "skills.replay_clip=0.001", "skills.max_words=3", "skills.length_penalty=0.5", "skills.invalid_reward=-2")
+    agent = cfg.agent
+    source = Attempt("toy-digits", 5, 1, 0, True, "Write digits. Item 1.", [Context(None, "Write digits. Item 1.")], [[40, 41]], ["12"])
+    buffer = [
+        Attempt("toy-digits", 5, 1, 0, False, "same seed: never replayed", [Context(None, "Write digits. Item 1.")], [[42]], ["x"]),
+        Attempt("toy-digits", 7, 1, 1, True, "Write digits. Item 4.", [Context(None, "Write digits. Item 4.")], [[43, 44, 45]], ["3"]),
+        Attempt("toy-digits", 8, 1, 1, False, "Write digits. Item 9.", [Context(None, "Write digits. Item 9.")], [[46, 47]], ["ab"]),
+        Attempt("other-env", 9, 1, 2, True, "other family", [Context(None, "Other.")], [[48]], ["y"]),
+    ]
+    text = "Write only the digits of the answer."  # 7 words: 4 over max_words
+    parsed = [ParsedSkill(text, True, "ok", 7, 4), ParsedSkill(None, False, "empty")]
+    writing = Writing([0], [[1, 2]], [Sample(0, [5], [0.0], "eos"), Sample(0, [6], [0.0], "eos")], parsed)
+    rewards, replayed = replay_rewards(tiny_policy, writing, [source], buffer, cfg, None, torch.Generator().manual_seed(0))
+    assert replayed == [2]
+    tok, model = tiny_policy.tokenizer, tiny_policy.causal_lm
+    terms = []
+    for item, y in ((buffer[1], 1.0), (buffer[2], -1.0)):
+        means = []
+        for hint in (skill_hint([text]), None):
+            prompt = render_prompt(tok, user_message(item.contexts[0], agent, hint), None)
+            ids = torch.tensor([prompt + item.actions[0]])
+            with torch.no_grad():
+                logp, _ = sequence_logprobs(model, ids, torch.ones_like(ids), (torch.arange(ids.shape[1]) >= len(prompt)).float()[None])
+            means.append(logp[0, len(prompt):])
+        d = (means[0] - means[1]).mean().item()
+        terms.append(y * max(-0.001, min(0.001, d)))
+    want = sum(terms) / 2 - 0.5 * 4
+    assert rewards[0][0].item() == pytest.approx(want, abs=1e-6)
+    assert rewards[0][1].item() == -2.0
+
+
+# ----------------------------------------------------------------------------- the loop end to end
+
+
+def test_recipe_single_turn_end_to_end(tmp_path):
+    cfg = _cfg("env.name=toy-digits", "train.steps=2", "train.prompts_per_step=2", "train.group_size=4", "eval.n=4", "run.checkpoint_every=1")
+    run = rsipo.train(cfg, tmp_path / "digits", log=lambda *_: None)
+    rows = _train_rows(run)
+    assert len(rows) == 2
+    for r in rows:
+        assert r["skills/written"] == 2 * 2 * 4 and r["skills/sources"] == 4  # 2 groups x 2 sources x K = 4
+        for key in ("teacher/share", "teacher/rows_frac", "trust/prior_strength", "skills/valid_frac", "skills/library_size", "loss/policy"):
+            assert key in r, key
+    written = _rows(run, "skills")
+    assert len(written) == 2 * 16 and {w["step"] for w in written} == {1, 2}
+    assert len(_rows(run, "replay")) == 2 * 8
+    state = json.loads((run / "checkpoints" / "step_000002" / "state.json").read_text())
+    lib = SkillLibrary(run / "ledger.sqlite")
+    assert state["skills"] == lib.snapshot() and len(lib) == rows[-1]["skills/library_size"]
+    assert set(state["trust"]) == {"steps", "groups"} and state["trust"]["steps"] == 2
+    assert json.loads((run / "eval" / "after.json").read_text())["n"] == 4
+
+
+@pytest.mark.parametrize("env", ["toy-corridor", "toy-digits"])
+def test_recipe_with_the_skill_teacher(tmp_path, monkeypatch, env):
+    """With every written skill readable: the best candidate enters the library, is
+    retrieved for the tasks, the teacher scores Delta on their rows, the trust counts get
+    trials where the outcome advantage is not 0, and with the cold-start trust above 0 the
+    teacher term enters the token advantages."""
+    text = GOOD_SKILL if env == "toy-corridor" else "Write digits only, one digit per item."
+    G = 2 if env == "toy-corridor" else 4
+    monkeypatch.setattr(rsipo, "parse_skill", lambda reply, w, c: ParsedSkill(text, True, "ok", len(text.split()), 0))
+    cfg = _cfg(f"env.name={env}", "env.kwargs.max_steps=3" if env == "toy-corridor" else "env.kwargs={}", "agent.history_turns=1", "train.steps=2",
+               "train.prompts_per_step=2", f"train.group_size={G}", "skills.write_per_group=1", "skills.candidates=2", "trust.prior_mean=0.75",
+               "sampling.max_new_tokens=8")
+    from recursa.report import write_report
+
+    run = rsipo.train(cfg, tmp_path / env, log=lambda *_: None)
+    first, second = _train_rows(run)
+    turns = 3 if env == "toy-corridor" else 1
+    assert first.get("batch/rows", 2 * G) == 2 * G * turns
+    assert first["skills/admitted"] == 1 and first["skills/library_size"] == 1  # one text: deduplicated
+    assert first["teacher/rows_frac"] == 1.0  # written this step and retrieved for both tasks at once
+    assert first["teacher/delta_abs_mean"] > 0
+    assert first["teacher/trust_applied_mean"] == pytest.approx(0.5)  # cold-start trust 2 * 0.75 - 1
+    assert first["teacher/share"] > 0 and first["advantage/teacher_abs"] > 0
+    if env == "toy-digits":  # rewards differ within groups: attempts make agreement trials
+        assert first["trust/trials"] > 0 and first["trust/groups"] == 1 and 0 <= first["trust/mean"] <= 1
+    else:  # every random-model episode fails alike: A_outcome = 0, no trials
+        assert first["trust/trials"] == 0
+    assert second["skills/writing_rows"] == 2 * 2
+    lib = SkillLibrary(run / "ledger.sqlite")
+    (skill,) = lib.active()
+    assert skill.text == text and skill.family == env and skill.source_step == 1
+    assert skill.uses == 2 * (2 * G * turns)  # every row of both steps
+    assert (skill.trust_trials > 0) == (env == "toy-digits")
+    report = write_report(run).read_text()
+    assert "plots/teacher.png" in report and "plots/trust.png" in report and "plots/skills.png" in report
+
+
+def test_calibrated_trust_starts_at_zero_and_fixed_trust_does_not(tmp_path, monkeypatch):
+    monkeypatch.setattr(rsipo, "parse_skill", _always_valid)
+    base = ["env.name=toy-corridor", "env.kwargs.max_steps=3", "train.steps=1", "train.prompts_per_step=2", "train.group_size=2", "skills.candidates=2"]
+    calibrated = _train_rows(rsipo.train(_cfg(*base), tmp_path / "cal", log=lambda *_: None))[0]
+    fixed = _train_rows(rsipo.train(_cfg(*base, "trust.mode=fixed"), tmp_path / "fix", log=lambda *_: None))[0]
+    assert calibrated["teacher/rows_frac"] == fixed["teacher/rows_frac"] == 1.0
+    assert calibrated["teacher/share"] == 0.0 and calibrated["teacher/trust_applied_mean"] == 0.0  # prior mean 1/2: trust 0
+    assert fixed["teacher/share"] > 0 and fixed["teacher/trust_applied_mean"] == 1.0
+
+
+def test_malformed_skills_never_crash_a_step(tmp_path, monkeypatch, tiny_policy):
+    """Whatever the writer produces (nothing, a placeholder, junk, repetition, another
+    script, an overlong rule, a preamble only), the step completes: every candidate is
+    counted by reason, none enters the library, the writing tokens are still trained."""
+    tok = tiny_policy.tokenizer
+    replies = ["", "\n\n", "<rule>", "Use the " + "a" * 60 + " key", "go go go go go go go", "日本語のテキストです。", "word " * 100, "Here is a rule:"]
+    real = rsipo.generate
+
+    def junk(model, tokenizer, prompts, params, n=1, generator=None, stats=None):
+        out = real(model, tokenizer, prompts, params, n=n, generator=generator, stats=stats)
+        for i, s in enumerate(out):
+            s.token_ids = tok.encode(replies[i % len(replies)], add_special_tokens=False)
+            s.logprobs = [-1.0] * len(s.token_ids)
+        return out
+
+    monkeypatch.setattr(rsipo, "generate", junk)
+    cfg = _cfg("env.name=toy-digits", "train.steps=1", "train.prompts_per_step=2", "train.group_size=4", "skills.candidates=8", "skills.write_per_group=1",
+               "skills.max_chars=200")
+    run = rsipo.train(cfg, tmp_path / "junk", log=lambda *_: None)
+    (row,) = _train_rows(run)
+    assert row["skills/written"] == 16 and row["skills/valid"] == 0 and row["skills/library_size"] == 0
+    reasons = {k.split("/")[-1] for k in row if k.startswith("skills/invalid/")}
+    assert {"empty", "placeholder", "junk", "repetitive", "non_ascii", "too_long"} <= reasons
+    assert row["skills/writing_rows"] == 14  # the empty replies have no token to train
+    assert all(not w["admitted"] and w["reward"] == -1.0 for w in _rows(run, "skills"))
+
+
+@pytest.mark.parametrize("path", [REPO / "examples" / "rsipo_smoke.toml", *ABLATIONS], ids=lambda p: p.stem)
+def test_example_configs_run_one_step(tmp_path, path):
+    cfg = load_config(path, ["train.steps=1", "eval.n=0", "run.threads=1", "train.group_size=2", "skills.candidates=2"])
+    run = rsipo.train(cfg, tmp_path / path.stem, log=lambda *_: None)
+    (row,) = _train_rows(run)
+    name = path.stem
+    assert ("teacher/rows_frac" in row) == (name != "grpo")
+    assert ("skills/written" in row) == (name not in ("grpo", "opsd", "sdpo"))
+    if name == "opsd":
+        assert row["teacher/rows_frac"] == 1.0  # every household game has a walkthrough
+    if name == "seed":
+        assert "teacher/imitation_weight_mean" in row
+    if name == "no_replay":
+        assert row["skills/writing_rows"] == 0 and row["skills/replayed_mean"] == 0
+
+
+def test_ablation_configs_cover_the_spec():
+    names = {p.stem for p in ABLATIONS}
+    assert names == {"grpo", "opsd", "sdpo", "opid", "seed", "srpo", "scsdpo", "no_replay"}
+    switches = {
+        "grpo": lambda c: c.teacher.source == "none" and c.teacher.lam == 0 and not c.skills.enabled,
+        "opsd": lambda c: c.teacher.source == "reference",
+        "sdpo": lambda c: c.teacher.source == "sibling",
+        "opid": lambda c: c.trust.mode == "fixed" and c.trust.fixed == 1.0,
+        "seed": lambda c: c.teacher.mode == "imitation",
+        "srpo": lambda c: c.teacher.route == "failed",
+        "scsdpo": lambda c: c.teacher.weighting == "pass_rate",
+        "no_replay": lambda c: c.skills.enabled and not c.skills.replay_reward,
+    }
+    for p in ABLATIONS:
+        assert switches[p.stem](load_config(p)), p.stem
+
+
+def test_sibling_and_reference_teachers_on_single_turn(tmp_path):
+    sib = _train_rows(rsipo.train(_cfg("env.name=toy-digits", "train.steps=1", "train.group_size=4", "teacher.source=sibling", "skills.enabled=false",
+                                       "sampling.temperature=3.0"), tmp_path / "sib", log=lambda *_: None))[0]
+    ref = _train_rows(rsipo.train(_cfg("env.name=arithmetic", "train.steps=1", "train.group_size=2", "teacher.source=reference", "skills.enabled=false"),
+                                  tmp_path / "ref", log=lambda *_: None))[0]
+    assert ref["teacher/rows_frac"] == 1.0 and ref["trust/groups"] in (0.0, 1.0)
+    assert 0.0 <= sib["teacher/rows_frac"] <= 1.0
+
+
+@pytest.mark.parametrize("env", ["toy-digits", "toy-corridor"])
+def test_resume_reproduces_the_uninterrupted_run(tmp_path, monkeypatch, env):
+    """Crash in step 3's update (after that step admitted skills, grew the replay buffer and
+    updated trust), resume from the step-2 checkpoint: every metric, written skill, replayed
+    attempt, the library and the trust state equal those of an uninterrupted run."""
+    monkeypatch.setattr(rsipo, "parse_skill", lambda reply, w, c: ParsedSkill(f"Write digits, go east, reach room {len(reply) % 3}.", True, "ok", 7, 0))
+    game = ["env.kwargs.max_steps=3"] if env == "toy-corridor" else ["sampling.max_new_tokens=8"]
+    cfg = _cfg(f"env.name={env}", *game, "train.steps=3", "train.prompts_per_step=2", "train.group_size=4", "skills.candidates=2",
+               "skills.write_per_group=1", "run.checkpoint_every=2", "trust.prior_mean=0.75", "skills.buffer_size=12")
+    straight = rsipo.train(cfg, tmp_path / "straight", log=lambda *_: None)
+
+    real_update, calls = rsipo.update, []
+
+    def crash_on_third(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real_update(*args, **kwargs)
+
+    monkeypatch.setattr(rsipo, "update", crash_on_third)
+    broken = tmp_path / "broken"
+    with pytest.raises(KeyboardInterrupt):
+        rsipo.train(cfg, broken, log=lambda *_: None)
+    assert max(r["step"] for r in _rows(broken, "skills")) == 3  # step 3 got as far as writing skills
+    monkeypatch.setattr(rsipo, "update", real_update)
+    rsipo.train(cfg, broken, resume=True, log=lambda *_: None)
+
+    a, b = _train_rows(straight), _train_rows(broken)
+    assert len(a) == len(b) == 3
+    for x, y in zip(a, b):
+        x, y = _stable(x), _stable(y)
+        assert x.keys() == y.keys()
+        assert all(_same(x[k], y[k]) for k in x), [k for k in x if not _same(x[k], y[k])]
+    assert a[-1]["teacher/rows_frac"] > 0 and a[-1]["teacher/share"] > 0  # the state that must be restored was in use
+    if env == "toy-digits":
+        assert a[1]["trust/trials"] > 0 and a[-1]["trust/groups"] > 0
+    for name in ("skills", "replay", "samples"):
+        assert _rows(straight, name) == _rows(broken, name), name
+    assert SkillLibrary(straight / "ledger.sqlite").snapshot() == SkillLibrary(broken / "ledger.sqlite").snapshot()
+    sa = json.loads((straight / "checkpoints" / "step_000003" / "state.json").read_text())
+    sb = json.loads((broken / "checkpoints" / "step_000003" / "state.json").read_text())
+    assert sa == sb
+
+
+# ----------------------------------------------------------------------------- equality with GRPO
+
+
+def test_teacher_off_and_skills_off_is_exactly_grpo(tmp_path):
+    """lam = 0, no teacher, no skills: the same rollouts, losses and final weights as
+    recipes/grpo.py, for a single-turn task and for a game with GiGPO."""
+    for env, extra in (("toy-digits", []), ("toy-corridor", ["env.kwargs.max_steps=3", "algo.step_advantage=gigpo"])):
+        sets = [*FAST, f"env.name={env}", "train.steps=2", "train.prompts_per_step=2", "train.group_size=4", *extra]
+        g = grpo.train(load_config(None, sets), tmp_path / f"grpo_{env}", log=lambda *_: None)
+        r = rsipo.train(load_config(None, [*sets, "teacher.source=none", "teacher.lam=0", "skills.enabled=false"], recipe="rsipo"), tmp_path / f"rsipo_{env}", log=lambda *_: None)
+        for x, y in zip(_train_rows(g), _train_rows(r)):
+            for k in ("reward/mean", "loss/policy", "policy/grad_norm", "policy/clip_frac", "policy/entropy", "batch/rows_run_frac"):
+                assert _same(x[k], y[k]), (env, k, x[k], y[k])
+            assert y["teacher/share"] == 0.0
+        from safetensors.torch import load_file
+
+        wg = load_file(g / "checkpoints" / "step_000002" / "model.safetensors")
+        wr = load_file(r / "checkpoints" / "step_000002" / "model.safetensors")
+        assert wg.keys() == wr.keys() and all(torch.equal(wg[k], wr[k]) for k in wg), env
+
+
+def _toy_batch(policy, seed=0):
+    from recursa.trajectory import Trajectory, collate
+
+    tok = policy.tokenizer
+    prompts = [render_prompt(tok, f"question {i} " * (i + 1), None) for i in range(2)]
+    samples = generate(policy.causal_lm, tok, prompts, SamplingParams(max_new_tokens=6), n=3, generator=torch.Generator().manual_seed(seed))
+    trajs = []
+    for s in samples:
+        p = prompts[s.prompt_index]
+        trajs.append(Trajectory("t", 0, s.prompt_index, p + s.token_ids, [0] * len(p) + [1] * len(s.token_ids), [0.0] * len(p) + s.logprobs, 0.0, False))
+    return collate(trajs, torch.linspace(-1.0, 1.0, len(trajs)), tok.pad_token_id)
+
+
+def _grads(policy, batch, cfg, imitation=None):
+    model = policy.causal_lm
+    saved = copy.deepcopy(model.state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    got = {}
+    opt.register_step_pre_hook(lambda *a, **k: got.update({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    grpo.update(policy, opt, batch, cfg, torch.Generator().manual_seed(0), 0, imitation)
+    model.load_state_dict(saved)
+    return got
+
+
+def test_per_token_advantages_broadcast_give_the_per_row_gradient():
+    policy = load_policy(load_config(None, ["model.name=tiny-random"]).model)
+    batch = _toy_batch(policy)
+    cfg = load_config(None, ["model.name=tiny-random", "train.max_grad_norm=1e9", "train.micro_batch_size=4"])
+    rows = _grads(policy, batch, cfg)
+    per_token = copy.deepcopy(batch)
+    per_token.advantages = batch.advantages[:, None] * batch.action_mask  # (N, L), 0 off the actions
+    tokens = _grads(policy, per_token, cfg)
+    assert rows.keys() == tokens.keys() and rows
+    assert all(torch.equal(rows[k], tokens[k]) for k in rows)
+
+
+def test_imitation_term_gradient_by_hand():
+    """With zero advantages the update's gradient is coef x the gradient of the token mean
+    of -w_t log pi(a_t), computed here directly with autograd."""
+    policy = load_policy(load_config(None, ["model.name=tiny-random"]).model)
+    batch = _toy_batch(policy, seed=1)
+    batch.advantages = torch.zeros_like(batch.advantages)
+    weights = torch.rand(batch.action_mask.shape, generator=torch.Generator().manual_seed(2)) * batch.action_mask
+    cfg = load_config(None, ["model.name=tiny-random", "train.max_grad_norm=1e9", "train.micro_batch_size=2", "train.shared_prefix=false"])
+    got = _grads(policy, batch, cfg, grpo.Imitation(weights, 0.5))
+    model = policy.causal_lm
+    model.zero_grad()
+    logp, _ = sequence_logprobs(model, batch.input_ids, batch.attention_mask, batch.action_mask)
+    (0.5 * -(weights * logp).sum() / batch.action_mask.sum()).backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert got.keys() == want.keys() and got
+    for k in got:
+        assert torch.allclose(got[k], want[k], atol=1e-6, rtol=1e-4), k
+
+
+def test_update_trains_every_row_when_mini_batches_do_not_divide_the_rows():
+    """Games and skill-writing rows make the row count arbitrary: with 5 rows and 2
+    mini-batches, both optimizer steps run and together they cover all 5 rows."""
+    policy = load_policy(load_config(None, ["model.name=tiny-random"]).model)
+    batch = _toy_batch(policy).select(torch.arange(5))
+    cfg = load_config(None, ["model.name=tiny-random", "train.mini_batches=2", "train.skip_zero_advantage=false"])
+    st = grpo.update(policy, torch.optim.AdamW(policy.causal_lm.parameters(), lr=1e-3), batch, cfg, torch.Generator().manual_seed(0), 0)
+    assert st.opt_steps == 2 and st.rows_run == 5
+
+
+def test_weights_gate_runs_with_rsipo(tmp_path):
+    cfg = _cfg("env.name=toy-digits", "train.steps=2", "train.prompts_per_step=2", "train.group_size=2", "gate.mode=gate", "gate.every=1", "gate.n=4",
+               "skills.candidates=2")
+    run = rsipo.train(cfg, tmp_path / "gated", log=lambda *_: None)
+    gates = [r for r in _rows(run) if "gate/accepted" in r]
+    assert [r["step"] for r in gates] == [1, 2] and all(r["gate/candidate_rate"] >= 0 for r in gates)
+
+
+def test_term_scales_by_hand():
+    mask = torch.tensor([[0, 1, 1, 0], [0, 0, 1, 0], [1, 0, 0, 0]], dtype=torch.float32)  # rows 0-1 policy, row 2 writing
+    assert rsipo.term_scales(mask, 2, "token-mean") == (4 / 3, 4.0)
+    assert rsipo.term_scales(mask, 2, "seq-mean-token-mean") == (1.5, 3.0)
+    assert rsipo.term_scales(mask, 3, "token-mean") == (1.0, 1.0)
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_writing_rows_do_not_dilute_the_policy_gradient(agg):
+    """Rows appended to the batch (skill writing) with zero advantage: after term_scales the
+    policy rows' gradient is exactly that of the policy rows alone."""
+    policy = load_policy(load_config(None, ["model.name=tiny-random"]).model)
+    batch = _toy_batch(policy, seed=3)
+    cfg = load_config(None, ["model.name=tiny-random", "train.max_grad_norm=1e9", "train.micro_batch_size=8", f"algo.agg={agg}", "train.skip_zero_advantage=false"])
+    alone = _grads(policy, batch.select(torch.arange(4)), cfg)
+    both = copy.deepcopy(batch)
+    scale, _ = rsipo.term_scales(both.action_mask, 4, agg)
+    both.advantages = torch.cat([batch.advantages[:4] * scale, torch.zeros(2)])
+    mixed = _grads(policy, both, cfg)
+    assert alone.keys() == mixed.keys() and alone
+    for k in alone:
+        assert torch.allclose(alone[k], mixed[k], atol=1e-7, rtol=1e-4), k
+
+
+def test_kl_to_the_reference_with_rsipo(tmp_path, monkeypatch):
+    monkeypatch.setattr(rsipo, "parse_skill", _always_valid)
+    cfg = _cfg("env.name=toy-digits", "train.steps=1", "train.group_size=4", "train.epochs=2", "algo.kl_coef=0.1", "skills.candidates=2")
+    (row,) = _train_rows(rsipo.train(cfg, tmp_path / "kl", log=lambda *_: None))
+    assert row["policy/kl"] > 0 and row["skills/writing_rows"] > 0  # the second epoch moved away from the reference
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def test_config_rejects_inconsistent_switches():
+    from recursa.errors import UserError
+
+    with pytest.raises(UserError, match="skills.enabled"):
+        _cfg("skills.enabled=false")
+    with pytest.raises(UserError, match="teacher.lam"):
+        _cfg("teacher.source=none", "skills.enabled=false")
+    with pytest.raises(UserError, match="unknown key"):
+        _cfg("skills.candidate=3")
+    cfg = load_config(None, ["teacher.source=none", "teacher.lam=0", "skills.enabled=false"], recipe="rsipo")
+    assert cfg.recipe == "rsipo" and cfg.run.out == "runs/rsipo"
+
+
+def test_cli_describes_the_rsipo_config(capsys):
+    from recursa.cli import main
+
+    assert main(["train", "--help-config", "--recipe", "rsipo"]) == 0
+    out = capsys.readouterr().out
+    for key in ("teacher.source", "teacher.lam", "trust.mode", "skills.write_per_group", "skills.coef", "skills.replay_size"):
+        assert key in out
+
+
+# ----------------------------------------------------------------------------- learning and the benchmark
+
+
+@pytest.mark.slow
+def test_rsipo_learns_toy_task(tmp_path):
+    """The full recipe (skills written, replayed, retrieved; calibrated self-teacher) on the
+    tiny random model raises held-out reward on toy-digits as GRPO does (tests/test_learning.py)."""
+    cfg = _cfg("env.name=toy-digits", "sampling.max_new_tokens=8", "train.steps=40", "train.prompts_per_step=4", "train.group_size=8",
+               "train.micro_batch_size=32", "train.lr=3e-3", "eval.n=64", "eval.every=20")
+    run = rsipo.train(cfg, tmp_path / "learn", log=lambda *_: None)
+    before = json.loads((run / "eval" / "before.json").read_text())
+    after = json.loads((run / "eval" / "after.json").read_text())
+    assert before["mean_reward"] < 0.1 and after["mean_reward"] > before["mean_reward"] + 0.3
+    rows = _train_rows(run)
+    assert max(r["teacher/rows_frac"] for r in rows) > 0 and max(r["skills/library_size"] for r in rows) > 0  # the machinery was in play
+
+
+def test_benchmark_script_tiny(tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "rsipo_vs_grpo.py"), "--tiny", "--recipes", "grpo,rsipo", "--seeds", "0,1", "--steps", "2",
+         "--eval-n", "4", "--eval-every", "1", "--out", str(tmp_path / "out"), "--runs-dir", str(tmp_path / "runs")],
+        cwd=REPO, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((tmp_path / "out" / "rsipo_vs_grpo.json").read_text())
+    assert data["env"] == "toy-corridor" and data["budget"]["episodes"] == 2 * 2 * 4
+    assert list(data["recipes"]) == ["grpo", "rsipo"] and data["recipes"]["grpo"]["recipe"] == "grpo"
+    for entry in data["recipes"].values():
+        assert [s["seed"] for s in entry["seeds"]] == [0, 1]
+        for s in entry["seeds"]:
+            assert [x for x, _ in s["curve"]] == [0, 8, 16] and s["heldout"]["n"] == 4
+            assert not (Path(s["run_dir"]) / "checkpoints").exists()
+    assert (tmp_path / "out" / "rsipo_vs_grpo.md").read_text().startswith("# RSIPO vs GRPO on toy-corridor")
+    assert (tmp_path / "out" / "rsipo_vs_grpo.png").stat().st_size > 1000
+
+
+def test_benchmark_takes_each_ablations_switches_from_its_example_config():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("rsipo_vs_grpo", REPO / "benchmarks" / "rsipo_vs_grpo.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    budget = bench.AGENT["rsipo"]
+    assert bench.recipe_spec("opid", bench.AGENT) == ("rsipo", [*budget, 'trust.mode="fixed"', "trust.fixed=1.0"])
+    assert bench.recipe_spec("srpo", bench.AGENT) == ("rsipo", [*budget, 'teacher.route="failed"'])
+    assert bench.recipe_spec("opsd", bench.AGENT) == ("rsipo", ['teacher.source="reference"', "skills.enabled=false"])
+    assert bench.recipe_spec("no_replay", bench.AGENT) == ("rsipo", [*budget, "skills.replay_reward=false"])
+    for name in bench.ABLATIONS:  # every entry is a valid rsipo config with the agent setting
+        recipe, sets = bench.recipe_spec(name, bench.AGENT)
+        load_config(None, [*bench.AGENT["sets"], *sets, "init.from_run="], recipe=recipe)
