@@ -74,7 +74,7 @@ def cmd_train(args) -> int:
         if not args.config:
             raise UserError("recursa train needs a CONFIG file (e.g. examples/smoke.toml) or --resume RUN_DIR")
         cfg = load_config(args.config, args.set)
-        out = Path(args.out or cfg.run.out)
+        out = Path(args.out or cfg.run.out or f"runs/{cfg.recipe}")
         if (out / "metrics.jsonl").exists() and not args.overwrite:
             raise UserError(f"{out} already holds a run: continue it with --resume {out}, choose another --out, or pass --overwrite")
         if args.overwrite and out.exists():
@@ -252,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train a policy with a recipe config (TOML): grpo, rsipo, sft or rft (expert iteration)")
     t.add_argument("config", nargs="?", help="recipe config, e.g. examples/smoke.toml")
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value, e.g. --set train.lr=1e-5 (repeatable)")
-    t.add_argument("--out", help="run directory (default: run.out from the config)")
+    t.add_argument("--out", help="run directory (default: run.out from the config, else runs/<recipe>)")
     t.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
     t.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
     t.add_argument("--help-config", action="store_true", help="list every config key of --recipe with its default and meaning")

@@ -126,7 +126,7 @@ class EvalConfig(_Section):
 
 
 class RunConfig(_Section):
-    out: str = Field("runs/grpo", description="run directory (overridden by --out)")
+    out: str | None = Field(None, description="run directory (overridden by --out; default runs/<recipe>)")
     checkpoint_every: int = Field(0, ge=0, description="save a checkpoint every N steps (GRPO steps, SFT epochs, expert-iteration rounds; 0 = only at the end)")
     log_samples: int = Field(4, ge=0, description="sample completions written to samples.jsonl per step")
     threads: int = Field(2, gt=0, description="torch CPU threads")
@@ -289,7 +289,7 @@ class RSIPOConfig(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     gate: GateSettings = Field(default_factory=GateSettings)
-    run: RunConfig = Field(default_factory=lambda: RunConfig(out="runs/rsipo"))
+    run: RunConfig = Field(default_factory=RunConfig)
 
     @model_validator(mode="after")
     def _check(self) -> "RSIPOConfig":
@@ -331,7 +331,7 @@ class SFTConfig(_Section):
     agent: AgentConfig = Field(default_factory=AgentConfig)
     train: SupervisedConfig = Field(default_factory=SupervisedConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
-    run: RunConfig = Field(default_factory=lambda: RunConfig(out="runs/sft"))
+    run: RunConfig = Field(default_factory=RunConfig)
 
 
 class ExpertIterationConfig(_Section):
@@ -361,7 +361,7 @@ class RFTConfig(_Section):
     train: SupervisedConfig = Field(default_factory=lambda: SupervisedConfig(epochs=1))
     eval: EvalConfig = Field(default_factory=EvalConfig)
     gate: GateSettings = Field(default_factory=GateSettings)
-    run: RunConfig = Field(default_factory=lambda: RunConfig(out="runs/rft"))
+    run: RunConfig = Field(default_factory=RunConfig)
 
     @model_validator(mode="after")
     def _check(self) -> "RFTConfig":
@@ -454,7 +454,7 @@ def dump_config(cfg: BaseModel) -> str:
 def describe(model: type[BaseModel] = GRPOConfig, prefix: str = "", defaults: BaseModel | None = None) -> list[str]:
     """One line per field: dotted key, default, description (for --help-config).
     A section's defaults are read from the instance its parent builds, so a recipe's
-    own defaults (e.g. run.out = 'runs/sft') show."""
+    own defaults (e.g. the expert-iteration default train.epochs = 1) show."""
     lines = []
     for name, field in model.model_fields.items():
         ann = field.annotation

@@ -12,11 +12,13 @@ from typing import Callable
 
 import torch
 
-from recursa.envs import EnvPool
+from recursa.config import dump_config
+from recursa.envs import EnvPool, make_env
 from recursa.errors import UserError
 from recursa.evaluate import EvalResult, evaluate
 from recursa.generation import sequence_logprobs
-from recursa.models import Policy
+from recursa.models import Policy, count_parameters, load_policy
+from recursa.rollout import is_agent_env
 from recursa.store import RunStore
 from recursa.trajectory import TrainBatch
 
@@ -67,6 +69,77 @@ def init_weights_dir(cfg) -> Path | None:
     if want not in done:
         raise UserError(f"init.checkpoint = {cfg.init.checkpoint}: {run} has {[p.name for p in done]}")
     return want
+
+
+@dataclass
+class OpenedRun:
+    """What every recipe starts from: envs, the run store, the policy and its optimizer,
+    restored from the last checkpoint when resuming."""
+
+    pool: EnvPool  # env instances, reused all run (a TextWorldExpress env owns a JVM)
+    store: RunStore
+    policy: Policy
+    optimizer: torch.optim.Optimizer
+    multi_turn: bool  # the task is a multi-turn game (AgentEnv)
+    init_dir: Path | None  # the warm start's checkpoint (init.from_run), or None
+    state: dict  # the resumed checkpoint's state.json ({} for a new run)
+
+    @property
+    def start_step(self) -> int:
+        return int(self.state.get("step", 0))
+
+    @property
+    def opt_steps(self) -> int:
+        return int(self.state.get("opt_steps", 0))
+
+    @property
+    def origin(self) -> str:
+        return f" from {self.init_dir}" if self.init_dir is not None else ""
+
+
+def open_run(cfg, out: Path, resume: bool, log: Callable[[str], None], kl_reference: bool = False, detail: str = "") -> OpenedRun:
+    """Set threads and seeds, make the envs (failing fast on a bad task spec), open the
+    run store, write the resolved config (new runs), load the policy (warm start, then the
+    run's own last checkpoint when resuming) and its optimizer, restore the optimizer and
+    RNG state, and drop every log line after the checkpoint. With `kl_reference`, the
+    frozen reference is the initial policy (the warm start, if any), never a checkpoint."""
+    torch.set_num_threads(cfg.run.threads)
+    torch.manual_seed(cfg.train.seed)
+    pool = EnvPool(lambda: make_env(cfg.env.name, **cfg.env.kwargs))
+    multi_turn = is_agent_env(pool.take(1)[0])
+    init_dir = init_weights_dir(cfg)
+    store = RunStore(out, tensorboard=cfg.run.tensorboard)
+    ckpt = store.latest_checkpoint() if resume else None
+    if not resume:
+        (out / "config.toml").write_text(dump_config(cfg))
+    policy = load_policy(cfg.model, weights_dir=ckpt, base_dir=init_dir)
+    if kl_reference:
+        if ckpt is not None and not policy.is_lora:
+            init = load_policy(cfg.model, base_dir=init_dir)
+            init.enable_reference()
+            policy.reference = init.reference
+        else:
+            policy.enable_reference()
+    optimizer = make_optimizer([p for p in policy.model.parameters() if p.requires_grad], cfg)
+    state: dict = {}
+    if ckpt is not None:
+        state = store.load_state(ckpt, optimizer)
+        store.truncate_after(state["step"])
+        log(f"resumed {out} from {ckpt.name}")
+    elif resume:
+        store.truncate_after(0)
+        log(f"no checkpoint in {out}: starting from the beginning")
+    run = OpenedRun(pool, store, policy, optimizer, multi_turn, init_dir, state)
+    total, trainable = count_parameters(policy.model)
+    log(f"model {cfg.model.name}{run.origin}: {total / 1e6:.1f}M parameters, {trainable / 1e6:.1f}M trainable; task {cfg.env.name}{detail}")
+    return run
+
+
+def eval_before(run: OpenedRun, cfg, progress: Progress | None, log: Callable[[str], None]) -> None:
+    """The held-out evaluation before training (eval/before.json), once per run."""
+    if run.start_step == 0 and cfg.eval.before and cfg.eval.n > 0 and not (run.store.path / "eval" / "before.json").exists():
+        r = run_eval(run.policy, cfg, run.pool, run.store, 0, "before", progress)
+        log(f"before: success {r.success_rate:.3f} [{r.ci95[0]:.3f}, {r.ci95[1]:.3f}] on {r.n} {cfg.eval.split} items")
 
 
 def run_eval(policy: Policy, cfg, pool: EnvPool, store: RunStore, step: int, label: str, progress: Progress | None, gate=None) -> EvalResult:

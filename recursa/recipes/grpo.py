@@ -30,14 +30,13 @@ from recursa.algorithms.advantages import compute_advantages
 from recursa.algorithms.distill import imitation_loss
 from recursa.algorithms.gigpo import step_advantages
 from recursa.algorithms.losses import ppo_clip_loss
-from recursa.config import GRPOConfig, dump_config
-from recursa.envs import EnvPool, make_env, split_seed
+from recursa.config import GRPOConfig
+from recursa.envs import split_seed
 from recursa.generation import SamplingParams, prefix_lengths, sequence_logprobs, shared_prefix_logprobs
-from recursa.models import Policy, count_parameters, load_policy
-from recursa.recipes.common import Progress, init_weights_dir, lr_at, make_optimizer, run_eval, step_generator
+from recursa.models import Policy
+from recursa.recipes.common import Progress, eval_before, lr_at, open_run, run_eval, step_generator
 from recursa.recipes.gating import PromptGate, WeightsGate
-from recursa.rollout import is_agent_env, rollout, rollout_episodes
-from recursa.store import RunStore
+from recursa.rollout import rollout, rollout_episodes
 from recursa.trajectory import Episode, TrainBatch, Trajectory, collate
 
 def train_seeds(cfg: GRPOConfig, step: int) -> list[int]:
@@ -230,50 +229,16 @@ def _score(logprobs, model, batch: TrainBatch, temperature: float, micro: int, c
 
 def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress | None = None, log: Callable[[str], None] = print) -> Path:
     """Run the recipe into `out` (continuing from its last checkpoint when `resume`)."""
-    torch.set_num_threads(cfg.run.threads)
-    torch.manual_seed(cfg.train.seed)
-    pool = EnvPool(lambda: make_env(cfg.env.name, **cfg.env.kwargs))  # env instances, reused all run
-    multi_turn = is_agent_env(pool.take(1)[0])  # also fails fast on a bad task spec
-    init_dir = init_weights_dir(cfg)  # a warm start (e.g. an SFT run), or None
-    store = RunStore(out, tensorboard=cfg.run.tensorboard)
-    ckpt = store.latest_checkpoint() if resume else None
-    if not resume:
-        (out / "config.toml").write_text(dump_config(cfg))
-
-    policy = load_policy(cfg.model, weights_dir=ckpt, base_dir=init_dir)
-    if cfg.algo.kl_coef > 0:
-        if ckpt is not None and not policy.is_lora:
-            # the reference is the initial policy (the warm start, if any), not the checkpoint
-            init = load_policy(cfg.model, base_dir=init_dir)
-            init.enable_reference()
-            policy.reference = init.reference
-        else:
-            policy.enable_reference()
+    run = open_run(cfg, out, resume, log, kl_reference=cfg.algo.kl_coef > 0)
+    pool, store, policy, optimizer, multi_turn = run.pool, run.store, run.policy, run.optimizer, run.multi_turn
     model = policy.causal_lm
-    params = [p for p in policy.model.parameters() if p.requires_grad]
-    optimizer = make_optimizer(params, cfg)
-    start_step, opt_step = 0, 0
-    if ckpt is not None:
-        state = store.load_state(ckpt, optimizer)
-        start_step, opt_step = state["step"], state["opt_steps"]
-        store.truncate_after(start_step)
-        log(f"resumed {out} from {ckpt.name} (step {start_step}/{cfg.train.steps})")
-    elif resume:
-        store.truncate_after(0)
-        log(f"no checkpoint in {out}: starting from step 0")
-    total, trainable = count_parameters(policy.model)
-    start_from = f" from {init_dir}" if init_dir is not None else ""
-    log(f"model {cfg.model.name}{start_from}: {total / 1e6:.1f}M parameters, {trainable / 1e6:.1f}M trainable; task {cfg.env.name}")
-
+    start_step, opt_step = run.start_step, run.opt_steps
     gate = WeightsGate(cfg, store, pool, start_step, log) if cfg.gate.mode != "off" else None
     if gate is not None:
-        gate.start(policy, optimizer, f"{cfg.model.name}{start_from}")
+        gate.start(policy, optimizer, f"{cfg.model.name}{run.origin}")
     prompts = PromptGate(cfg, store, pool, gate.lineage, multi_turn, log) if gate is not None and cfg.gate.prompt_every else None
     failures: deque[tuple[str, str]] = deque(maxlen=4)  # recent failures, what prompt proposals read
-
-    if start_step == 0 and cfg.eval.before and cfg.eval.n > 0 and not (out / "eval" / "before.json").exists():
-        r = run_eval(policy, cfg, pool, store, 0, "before", progress)
-        log(f"before: success {r.success_rate:.3f} [{r.ci95[0]:.3f}, {r.ci95[1]:.3f}] on {r.n} {cfg.eval.split} items")
+    eval_before(run, cfg, progress, log)
 
     sampling = SamplingParams(cfg.sampling.max_new_tokens, cfg.sampling.temperature, cfg.sampling.top_p, tuple(cfg.sampling.stop))
     B, G = cfg.train.prompts_per_step, cfg.train.group_size

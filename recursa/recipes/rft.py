@@ -35,23 +35,21 @@ from typing import Callable
 
 import torch
 
-from recursa.config import RFTConfig, dump_config
-from recursa.envs import EnvPool, make_env, split_seed
+from recursa.config import RFTConfig
+from recursa.envs import EnvPool, split_seed
 from recursa.generation import SamplingParams
-from recursa.models import count_parameters, load_policy
 from recursa.recipes.common import (
+    eval_before,
+    open_run,
     Progress,
     batch_order,
-    init_weights_dir,
-    make_optimizer,
     run_eval,
     step_generator,
     supervised_step,
 )
 from recursa.recipes.gating import WeightsGate
-from recursa.rollout import is_agent_env, rollout, rollout_episodes
+from recursa.rollout import rollout, rollout_episodes
 from recursa.stats import pass_at_k
-from recursa.store import RunStore
 from recursa.trajectory import Trajectory, collate
 
 
@@ -165,25 +163,10 @@ def finetune(policy, optimizer, rows: list[Trajectory], cfg: RFTConfig, gen: tor
 
 def train(cfg: RFTConfig, out: Path, resume: bool = False, progress: Progress | None = None, log: Callable[[str], None] = print) -> Path:
     """Run expert iteration into `out` (continuing from its last checkpoint when `resume`)."""
-    torch.set_num_threads(cfg.run.threads)
-    torch.manual_seed(cfg.train.seed)
     rc = cfg.rft
-    pool = EnvPool(lambda: make_env(cfg.env.name, **cfg.env.kwargs))
-    multi_turn = is_agent_env(pool.take(1)[0])
-    init_dir = init_weights_dir(cfg)
-    store = RunStore(out, tensorboard=cfg.run.tensorboard)
-    ckpt = store.latest_checkpoint() if resume else None
-    if not resume:
-        (out / "config.toml").write_text(dump_config(cfg))
-    policy = load_policy(cfg.model, weights_dir=ckpt, base_dir=init_dir)
-    params = [p for p in policy.model.parameters() if p.requires_grad]
-    optimizer = make_optimizer(params, cfg)
-    start, opt_step = 0, 0
-    if ckpt is not None:
-        state = store.load_state(ckpt, optimizer)
-        start, opt_step = state["step"], state["opt_steps"]
-        log(f"resumed {out} from {ckpt.name} (round {start}/{rc.rounds})")
-    store.truncate_after(start)  # drops logs of rounds after the checkpoint (all of them when starting over)
+    run = open_run(cfg, out, resume, log)
+    pool, store, policy, optimizer, multi_turn = run.pool, run.store, run.policy, run.optimizer, run.multi_turn
+    start, opt_step = run.start_step, run.opt_steps
     # the buffer and the unsolved-task pool, rebuilt from the run's own logs
     buffer = [_row_from_record(d, cfg.env.name) for d in store.read_jsonl("kept")] if rc.accumulate else []
     unsolved: dict[int, int] = {}
@@ -192,17 +175,10 @@ def train(cfg: RFTConfig, out: Path, resume: bool = False, progress: Progress | 
             unsolved.pop(d["seed"], None)
         else:
             unsolved[d["seed"]] = unsolved.get(d["seed"], 0) + 1
-    total, trainable = count_parameters(policy.model)
-    start_from = f" from {init_dir}" if init_dir is not None else ""
-    log(f"model {cfg.model.name}{start_from}: {total / 1e6:.1f}M parameters, {trainable / 1e6:.1f}M trainable; task {cfg.env.name}")
-
     gate = WeightsGate(cfg, store, pool, start, log) if cfg.gate.mode != "off" else None
     if gate is not None:
-        gate.start(policy, optimizer, f"{cfg.model.name}{start_from}")
-
-    if start == 0 and cfg.eval.before and cfg.eval.n > 0 and not (out / "eval" / "before.json").exists():
-        r = run_eval(policy, cfg, pool, store, 0, "before", progress)
-        log(f"before: success {r.success_rate:.3f} [{r.ci95[0]:.3f}, {r.ci95[1]:.3f}] on {r.n} {cfg.eval.split} items")
+        gate.start(policy, optimizer, f"{cfg.model.name}{run.origin}")
+    eval_before(run, cfg, progress, log)
 
     for rnd in range(start, rc.rounds):
         t0 = time.perf_counter()

@@ -62,17 +62,16 @@ from recursa.algorithms.distill import (
     token_advantages,
 )
 from recursa.algorithms.trust import TrustEstimator, agreement_trials
-from recursa.config import RSIPOConfig, dump_config
-from recursa.envs import EnvPool, make_env, system_prompt_of
+from recursa.config import RSIPOConfig
+from recursa.envs import EnvPool, system_prompt_of
 from recursa.generation import SamplingParams, generate, sequence_logprobs, shared_prefix_logprobs
-from recursa.models import Policy, count_parameters, load_policy
-from recursa.recipes.common import Progress, init_weights_dir, lr_at, make_optimizer, run_eval, step_generator
+from recursa.models import Policy
+from recursa.recipes.common import Progress, eval_before, lr_at, open_run, run_eval, step_generator
 from recursa.recipes.gating import WeightsGate
 from recursa.recipes.grpo import Imitation, episode_rows, train_seeds, update
-from recursa.rollout import is_agent_env, render_prompt, rollout, rollout_episodes
+from recursa.rollout import render_prompt, rollout, rollout_episodes
 from recursa.skills import SkillLibrary, SkillWritingStats, parse_skill, render_trajectory_for_skill, retrieve, skill_writing_prompt
 from recursa.skills.writing import MARKER, ParsedSkill
-from recursa.store import RunStore
 from recursa.trajectory import Trajectory, collate
 
 # ----------------------------------------------------------------------------- attempts and contexts
@@ -483,54 +482,25 @@ def teacher_summary(delta, mask, has_hint, mean_delta, outcome, attempt_hint, tr
 
 def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress | None = None, log: Callable[[str], None] = print) -> Path:
     """Run the recipe into `out` (continuing from its last checkpoint when `resume`)."""
-    torch.set_num_threads(cfg.run.threads)
-    torch.manual_seed(cfg.train.seed)
-    pool = EnvPool(lambda: make_env(cfg.env.name, **cfg.env.kwargs))
-    multi_turn = is_agent_env(pool.take(1)[0])
+    run = open_run(cfg, out, resume, log, kl_reference=cfg.algo.kl_coef > 0, detail=f"; teacher {cfg.teacher.source}")
+    pool, store, policy, optimizer, multi_turn = run.pool, run.store, run.policy, run.optimizer, run.multi_turn
     system = system_prompt_of(pool.take(1)[0]) or cfg.model.system_prompt or None
-    init_dir = init_weights_dir(cfg)
-    store = RunStore(out, tensorboard=cfg.run.tensorboard)
-    ckpt = store.latest_checkpoint() if resume else None
-    if not resume:
-        (out / "config.toml").write_text(dump_config(cfg))
-
-    policy = load_policy(cfg.model, weights_dir=ckpt, base_dir=init_dir)
-    if cfg.algo.kl_coef > 0:
-        if ckpt is not None and not policy.is_lora:
-            init = load_policy(cfg.model, base_dir=init_dir)
-            init.enable_reference()
-            policy.reference = init.reference
-        else:
-            policy.enable_reference()
-    params = [p for p in policy.model.parameters() if p.requires_grad]
-    optimizer = make_optimizer(params, cfg)
     library = SkillLibrary(store.db)  # the `skills` table of the run's ledger.sqlite
     trust = _make_trust(cfg)
     buffer: deque[Attempt] = deque(maxlen=cfg.skills.buffer_size)
-    start_step, opt_step = 0, 0
-    if ckpt is not None:
-        state = store.load_state(ckpt, optimizer)
-        start_step, opt_step = state["step"], state["opt_steps"]
-        store.truncate_after(start_step)
+    start_step, opt_step = run.start_step, run.opt_steps
+    if run.state:
+        state = run.state
         library.restore(state["skills"])  # the library as it was at the checkpoint
         trust.load_state_dict(state["trust"])
         buffer.extend(Attempt.from_json(r) for r in store.read_jsonl("replay"))
-        log(f"resumed {out} from {ckpt.name} (step {start_step}/{cfg.train.steps}); {len(library)} skills, {len(buffer)} replayable attempts")
+        log(f"restored {len(library)} skills and {len(buffer)} replayable attempts (step {start_step}/{cfg.train.steps})")
     else:  # a new run (or one resumed before its first checkpoint) starts with an empty library
         library.restore([])
-        if resume:
-            store.truncate_after(0)
-            log(f"no checkpoint in {out}: starting from step 0")
-    total, trainable = count_parameters(policy.model)
-    start_from = f" from {init_dir}" if init_dir is not None else ""
-    log(f"model {cfg.model.name}{start_from}: {total / 1e6:.1f}M parameters, {trainable / 1e6:.1f}M trainable; task {cfg.env.name}; teacher {cfg.teacher.source}")
-
     gate = WeightsGate(cfg, store, pool, start_step, log) if cfg.gate.mode != "off" else None
     if gate is not None:
-        gate.start(policy, optimizer, f"{cfg.model.name}{start_from}")
-    if start_step == 0 and cfg.eval.before and cfg.eval.n > 0 and not (out / "eval" / "before.json").exists():
-        r = run_eval(policy, cfg, pool, store, 0, "before", progress)
-        log(f"before: success {r.success_rate:.3f} [{r.ci95[0]:.3f}, {r.ci95[1]:.3f}] on {r.n} {cfg.eval.split} items")
+        gate.start(policy, optimizer, f"{cfg.model.name}{run.origin}")
+    eval_before(run, cfg, progress, log)
 
     sampling = SamplingParams(cfg.sampling.max_new_tokens, cfg.sampling.temperature, cfg.sampling.top_p, tuple(cfg.sampling.stop))
     B, G = cfg.train.prompts_per_step, cfg.train.group_size

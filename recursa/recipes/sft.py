@@ -29,39 +29,26 @@ from typing import Callable
 
 import torch
 
-from recursa.config import SFTConfig, dump_config
+from recursa.config import SFTConfig
 from recursa.demos import build_demos
-from recursa.envs import EnvPool, make_env
 from recursa.errors import UserError
-from recursa.models import count_parameters, load_policy
 from recursa.recipes.common import (
+    eval_before,
+    open_run,
     Progress,
     batch_order,
-    init_weights_dir,
     lr_at,
-    make_optimizer,
     run_eval,
     step_generator,
     supervised_step,
 )
-from recursa.store import RunStore
 from recursa.trajectory import collate
 
 
 def train(cfg: SFTConfig, out: Path, resume: bool = False, progress: Progress | None = None, log: Callable[[str], None] = print) -> Path:
     """Run supervised fine-tuning into `out` (continuing from its last checkpoint when `resume`)."""
-    torch.set_num_threads(cfg.run.threads)
-    torch.manual_seed(cfg.train.seed)
-    pool = EnvPool(lambda: make_env(cfg.env.name, **cfg.env.kwargs))
-    pool.take(1)  # fail fast on a bad task spec
-    init_dir = init_weights_dir(cfg)
-    store = RunStore(out, tensorboard=cfg.run.tensorboard)
-    ckpt = store.latest_checkpoint() if resume else None
-    if not resume:
-        (out / "config.toml").write_text(dump_config(cfg))
-    policy = load_policy(cfg.model, weights_dir=ckpt, base_dir=init_dir)
-    params = [p for p in policy.model.parameters() if p.requires_grad]
-    optimizer = make_optimizer(params, cfg)
+    run = open_run(cfg, out, resume, log)
+    pool, store, policy, optimizer = run.pool, run.store, run.policy, run.optimizer
 
     t0 = time.perf_counter()
     demos = build_demos(cfg, pool, policy.tokenizer)
@@ -76,21 +63,8 @@ def train(cfg: SFTConfig, out: Path, resume: bool = False, progress: Progress | 
     rows = demos.rows
     per_epoch = math.ceil(len(rows) / cfg.train.batch_size)
 
-    start_epoch, opt_step = 0, 0
-    if ckpt is not None:
-        state = store.load_state(ckpt, optimizer)
-        start_epoch, opt_step = state["epoch"], state["opt_steps"]
-        store.truncate_after(opt_step)
-        log(f"resumed {out} from {ckpt.name} (epoch {start_epoch}/{cfg.train.epochs})")
-    elif resume:
-        store.truncate_after(0)
-    total, trainable = count_parameters(policy.model)
-    start_from = f" from {init_dir}" if init_dir is not None else ""
-    log(f"model {cfg.model.name}{start_from}: {total / 1e6:.1f}M parameters, {trainable / 1e6:.1f}M trainable; task {cfg.env.name}")
-
-    if start_epoch == 0 and cfg.eval.before and cfg.eval.n > 0 and not (out / "eval" / "before.json").exists():
-        r = run_eval(policy, cfg, pool, store, 0, "before", progress)
-        log(f"before: success {r.success_rate:.3f} [{r.ci95[0]:.3f}, {r.ci95[1]:.3f}] on {r.n} {cfg.eval.split} items")
+    start_epoch, opt_step = int(run.state.get("epoch", 0)), run.opt_steps
+    eval_before(run, cfg, progress, log)
 
     pad = policy.tokenizer.pad_token_id
     for epoch in range(start_epoch, cfg.train.epochs):
