@@ -136,7 +136,9 @@ class RunConfig(_Section):
 class GateSettings(_Section):
     """Gated weights (recursa/gate.py): every `every` steps (rounds, for expert iteration)
     and at the end, the current weights are a candidate against the last accepted weights,
-    both scored greedily on `n` fresh gate-split items; exact one-sided McNemar test."""
+    both scored greedily on `n` fresh gate-split items; exact one-sided McNemar test.
+    Prompt proposals (`prompt_every`) and, in RSIPO, skill-library changes (`skills_every`)
+    are gated the same way (recursa/recipes/gating.py)."""
 
     mode: Literal["off", "log", "gate"] = Field("off", description="off; log: test and record, never roll back; gate: a rejection rolls weights and optimizer back to the incumbent")
     every: int = Field(4, gt=0, description="test a candidate every N steps (expert iteration: rounds), and always at the end")
@@ -152,6 +154,15 @@ class GateSettings(_Section):
     prompt_candidates: int = Field(2, gt=0, description="prompt proposals per round; the best on `prompt_select_n` training items is gated")
     prompt_select_n: int = Field(32, gt=0, description="training items that pick the best proposal (never reused for the gate)")
     prompt_max_chars: int = Field(300, gt=0, description="a proposal longer than this is rejected unread")
+    skills_every: int = Field(
+        0, ge=0,
+        description="RSIPO: every N steps (and at the end) the skills admitted since the last round are gated as one candidate library "
+        "against the incumbent library, by evaluating the policy with each in its prompts; needs skills.in_context = true (0 = library changes are not gated)",
+    )
+    skills_screen: int | None = Field(
+        None, gt=0,
+        description="RSIPO skill rounds: gate items the incumbent library is screened on, from which the n probes are drawn, half failed, half solved (None = 2 x n)",
+    )
 
 
 class InitConfig(_Section):
@@ -203,6 +214,8 @@ class GRPOConfig(_Section):
         if self.sampling.temperature == 0:
             raise ValueError("sampling.temperature must be > 0 for training (greedy rollouts give no exploration)")
         _check_test_looks(self, self.train.steps)
+        if self.recipe == "grpo" and self.gate.skills_every:
+            raise ValueError("gate.skills_every gates a skill library, which only the rsipo recipe has: set gate.skills_every = 0 or recipe = 'rsipo'")
         return self
 
 
@@ -248,7 +261,8 @@ class TrustSettings(_Section):
 
 class SkillsConfig(_Section):
     """Skills written by the policy from its own trajectories, rewarded by replay, kept in the
-    run's library (ledger.sqlite) and retrieved per task into the teacher's context."""
+    run's library (ledger.sqlite) and retrieved per task into the teacher's context (and,
+    with `in_context`, into the policy's own prompts, where the gate can test them)."""
 
     enabled: bool = Field(True, description="write skills each step (needed by teacher.source = 'skill')")
     write_per_group: int = Field(2, ge=0, description="trajectories per group that get skills written: alternately a success and a failure, where present")
@@ -270,6 +284,11 @@ class SkillsConfig(_Section):
     length_penalty: float = Field(0.05, ge=0, description="reward cost per word over max_words")
     invalid_reward: float = Field(-1.0, description="reward of a malformed candidate")
     admit_min_reward: float | None = Field(None, description="admit the best candidate only if its replay reward exceeds this (None: always the best valid one)")
+    in_context: bool = Field(
+        False,
+        description="also show the policy itself the skill retrieved for each task, in its prompts at rollout and at every evaluation (as the teacher sees it); "
+        "needed to gate the library (gate.skills_every), since without it the library never reaches the policy at evaluation",
+    )
 
 
 class RSIPOConfig(_Section):
@@ -298,6 +317,19 @@ class RSIPOConfig(_Section):
             raise ValueError("teacher.source = 'skill' needs skills.enabled = true; or choose teacher.source = 'reference', 'sibling' or 'none'")
         if self.teacher.source == "none" and self.teacher.lam > 0:
             raise ValueError("teacher.lam > 0 needs a teacher: set teacher.source ('skill', 'reference', 'sibling'), or teacher.lam = 0")
+        if self.skills.in_context and not self.skills.enabled:
+            raise ValueError("skills.in_context = true shows library skills to the policy, but skills.enabled = false writes none: enable skills or set skills.in_context = false")
+        if self.gate.skills_every:
+            if not self.skills.in_context:
+                raise ValueError(
+                    "gate.skills_every > 0 needs skills.in_context = true: a library change is gated by evaluating the policy with the incumbent "
+                    "and the candidate library in its prompts, and with skills.in_context = false the library never reaches the policy at evaluation "
+                    "(it only feeds the self-teacher), so there is no held-out test of it; set skills.in_context = true, or gate.skills_every = 0"
+                )
+            if self.gate.mode == "off":
+                raise ValueError("gate.skills_every > 0 needs gate.mode = 'gate' (or 'log'): set the mode, or gate.skills_every = 0")
+            if self.gate.n < 2:
+                raise ValueError("gate.skills_every > 0 needs gate.n >= 2: skills rounds draw half their probes from items the incumbent fails, half from items it solves")
         return self
 
 
@@ -368,6 +400,8 @@ class RFTConfig(_Section):
         if self.sampling.temperature == 0 and self.rft.group_size > 1:
             raise ValueError("sampling.temperature = 0 makes every attempt of a task identical: set it > 0 or rft.group_size = 1")
         _check_test_looks(self, self.rft.rounds)
+        if self.gate.skills_every:
+            raise ValueError("gate.skills_every gates a skill library, which only the rsipo recipe has: set gate.skills_every = 0 or recipe = 'rsipo'")
         return self
 
 

@@ -125,13 +125,18 @@ def evaluate(
     progress: Callable[[int, int], None] | None = None,
     agent: AgentConfig | None = None,
     seeds: list[int] | None = None,
+    hints: list[str | None] | None = None,
 ) -> EvalResult:
     """Greedy evaluation of the model on the first `n` seeds of `split` (or on `seeds`,
-    which must then be `n` seeds of `split`: the gate scores fresh gate items each round)."""
+    which must then be `n` seeds of `split`: the gate scores fresh gate items each round).
+    `hints`, one per seed (or None), are shown to the policy in its prompts (RSIPO's
+    `skills.in_context`; see `recursa.rollout`)."""
     if seeds is None:
         seeds = split_seeds(split, n)
     elif len(seeds) != n or any(split_of(s) != split for s in seeds):
         raise ValueError(f"evaluate: expected {n} seeds of the {split} split")
+    if hints is not None and len(hints) != n:
+        raise ValueError(f"evaluate: expected one hint (or None) per seed, got {len(hints)} for {n} seeds")
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop=stop)
     pool = as_pool(envs)
     multi_turn = is_agent_env(pool.take(1)[0])
@@ -139,14 +144,15 @@ def evaluate(
     start = time.perf_counter()
     for lo in range(0, n, batch_size):
         chunk = seeds[lo : lo + batch_size]
+        chunk_hints = hints[lo : lo + batch_size] if hints is not None else None
         if multi_turn:
-            result = rollout_episodes(policy, pool, chunk, 1, params, None, system_prompt, agent or AgentConfig())
+            result = rollout_episodes(policy, pool, chunk, 1, params, None, system_prompt, agent or AgentConfig(), hints=chunk_hints)
             items.extend(
                 EvalItem(e.seed, e.total_reward, e.won, " | ".join(t.action for t in e.turns), len(e.turns), e.invalid_rate)
                 for e in result.episodes
             )
         else:
-            result = rollout(policy, pool, chunk, 1, params, None, system_prompt)
+            result = rollout(policy, pool, chunk, 1, params, None, system_prompt, hints=chunk_hints)
             items.extend(EvalItem(t.seed, t.reward, t.success, t.completion_text) for t in result.trajectories)
         if progress is not None:
             progress(len(items), n)

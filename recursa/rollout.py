@@ -11,6 +11,12 @@ generator) that returns trajectories; the trainer never reaches into it.
 
 Either way the trajectory keeps the prompt ids and the sampled ids exactly as they were,
 never re-tokenized text.
+
+Both take optional per-seed `hints` (RSIPO's `skills.in_context`: a retrieved skill shown
+to the policy itself): a game's hint goes right after the task line (`render_turn`), a
+single-turn task's after the question (`with_hint`), the same places as the self-teacher's
+hint, so a teacher with that skill scores exactly the prompt the policy acted on. Without
+hints (or with None for a seed) the prompt is exactly the one rendered without the option.
 """
 
 from __future__ import annotations
@@ -45,6 +51,19 @@ def render_prompt(tokenizer, observation: str, system_prompt: str | None) -> lis
     return [int(i) for i in ids]
 
 
+def with_hint(observation: str, hint: str | None) -> str:
+    """A single-turn task's user message with `hint` after the question (unchanged without one)."""
+    return f"{observation.rstrip()}\n\n{hint.strip()}" if hint else observation
+
+
+def _hints_of(hints: list[str | None] | None, n: int) -> list[str | None]:
+    if hints is None:
+        return [None] * n
+    if len(hints) != n:
+        raise ValueError(f"expected one hint (or None) per seed: {len(hints)} hints for {n} seeds")
+    return list(hints)
+
+
 def _completion_text(tokenizer, token_ids: list[int]) -> str:
     return tokenizer.decode(token_ids, skip_special_tokens=True)
 
@@ -58,16 +77,21 @@ def rollout(
     generator: torch.Generator | None,
     system_prompt: str | None,
     batch_size: int | None = None,
+    hints: list[str | None] | None = None,
 ) -> RolloutResult:
     """Run `group_size` single-turn episodes for each seed; prompts are generated in
     batches of `batch_size` distinct seeds (all at once by default). An env's own
-    `system_prompt` takes precedence over the `system_prompt` argument."""
+    `system_prompt` takes precedence over the `system_prompt` argument. `hints[i]`, when
+    given, is shown after seed i's question (`with_hint`); `prompt_text` stays the question."""
     tok = policy.tokenizer
+    seed_hints = _hints_of(hints, len(seeds))
     episode_envs = as_pool(envs).take(len(seeds) * group_size)  # env i*G+k plays sample k of seed i
     episode_obs = [env.reset(seeds[j // group_size]) for j, env in enumerate(episode_envs)]
     observations = episode_obs[::group_size]  # one item per seed, the same for its whole group
     firsts = episode_envs[::group_size]
-    prompts = [render_prompt(tok, obs, system_prompt_of(env) or system_prompt) for env, obs in zip(firsts, observations)]
+    prompts = [
+        render_prompt(tok, with_hint(obs, h), system_prompt_of(env) or system_prompt) for env, obs, h in zip(firsts, observations, seed_hints)
+    ]
     stats = GenerationStats()
     step = batch_size or len(prompts)
     samples = []
@@ -123,6 +147,7 @@ def rollout_episodes(
     generator: torch.Generator | None,
     system_prompt: str | None,
     agent: AgentConfig,
+    hints: list[str | None] | None = None,
 ) -> EpisodeRollout:
     """Play `group_size` episodes of each seed's game, all live episodes stepping together.
 
@@ -130,9 +155,11 @@ def rollout_episodes(
     admissible actions) and tokenized once, the policy samples one action per episode in
     a single batched call, and episodes that end drop out. Each `Turn` keeps the exact
     prompt ids and sampled ids, so the trainer scores what the policy saw and produced.
+    `hints[i]`, when given, is shown after the task line of every turn of seed i's episodes.
     """
     tok = policy.tokenizer
     n = len(seeds) * group_size
+    episode_hints = [h for h in _hints_of(hints, len(seeds)) for _ in range(group_size)]
     envs = as_pool(envs).take(n)
     episode_seeds = [s for s in seeds for _ in range(group_size)]
     obs = [env.reset(seed) for env, seed in zip(envs, episode_seeds)]
@@ -146,7 +173,9 @@ def rollout_episodes(
     live = list(range(n))
     while live:
         prompts = [
-            render_prompt(tok, render_turn(envs[i].task, obs[i], admissible[i], history[i], agent), system_prompt_of(envs[i]) or system_prompt)
+            render_prompt(
+                tok, render_turn(envs[i].task, obs[i], admissible[i], history[i], agent, hint=episode_hints[i]), system_prompt_of(envs[i]) or system_prompt
+            )
             for i in live
         ]
         samples = generate(policy.causal_lm, tok, prompts, sampling, n=1, generator=generator, stats=stats)

@@ -160,3 +160,193 @@ def test_prompt_round_in_log_mode_never_adopts(tmp_path, monkeypatch):
     original = cfg.agent.instruction
     grpo.train(cfg, tmp_path / "p", log=lambda *_: None)
     assert cfg.agent.instruction == original
+
+
+# ----------------------------------------------------------------------------- the skill library
+
+GOOD = "Write digits only, one digit per item."
+BAD = "Write every digit twice, then stop."
+SKILLS = ["model.name=tiny-random", "env.name=toy-digits", "sampling.max_new_tokens=4", "train.prompts_per_step=2", "train.group_size=2",
+          "train.micro_batch_size=4", "run.threads=1", "eval.n=0", "skills.in_context=true", "gate.mode=gate", "gate.every=100", "gate.n=32",
+          "gate.skills_every=1", "gate.skills_screen=64", "gate.spending=constant"]
+SKILLS_REGION = 1_000_000_000 + 750_000_000  # split_seed("gate", SKILLS_GATE_BASE)
+
+
+def _skill_learning(monkeypatch, texts: dict[int, str]):
+    """learn_skills admits texts[step] at each step (no writing, no replay)."""
+    from recursa.recipes import rsipo
+
+    def learn(policy, attempts, buffer, library, cfg, system, gen, step):
+        out = rsipo.SkillStep()
+        if step in texts:
+            out.admitted[library.add(texts[step], cfg.env.name, attempts[0].seed, step, "success", created_step=step)] = 0
+        out.metrics = {"skills/library_size": float(len(library))}
+        return out
+
+    monkeypatch.setattr(rsipo, "learn_skills", learn)
+
+
+def _skill_scores(monkeypatch, calls: list | None = None):
+    """Scores that depend only on the library in context and the seed: with no skill the
+    policy solves the even seeds; GOOD solves everything; BAD solves every odd seed but
+    breaks every fourth even one (seed % 8 == 0)."""
+    from recursa.evaluate import EvalItem, summarize
+    from recursa.recipes.gating import SkillGate
+
+    def score(self, policy, library, seeds, label):
+        texts = {s.text for s in library.active()}
+        if calls is not None:
+            calls.append((label, sorted(texts), list(seeds)))
+
+        def ok(seed):
+            if BAD in texts:
+                return seed % 2 == 1 or seed % 8 != 0
+            return GOOD in texts or seed % 2 == 0
+
+        return summarize([EvalItem(s, float(ok(s)), ok(s)) for s in seeds], "toy", "gate", label, "m", "model", 0.0)
+
+    monkeypatch.setattr(SkillGate, "_score", score)
+
+
+def _skill_rounds(lin):
+    return [c for c in lin.candidates("skills") if not c.is_root]
+
+
+def test_draw_probes_and_the_stratified_gain_by_hand():
+    from recursa.recipes.gating import draw_probes, stratified_gain
+
+    screened = [(10, True), (11, False), (12, True), (13, True), (14, False), (15, True)]
+    assert draw_probes(screened, 4) == ([11, 14], [10, 12])
+    assert draw_probes(screened, 5) == ([11, 14], [10, 12])  # 3 failed wanted, 2 exist: fewer, not made up from the solved side
+    assert draw_probes([(1, True), (2, True)], 4) == ([], [1, 2])
+    # an incumbent solving 90% of the screen; the candidate gains 2 of 10 failed probes and loses 1 of 10 solved ones:
+    # (b - c) / n = +0.05 on the probes, but over the population 0.1 * 0.2 - 0.9 * 0.1 = -0.07
+    failed, solved = list(range(10)), list(range(10, 20))
+    inc = {s: s >= 10 for s in failed + solved}
+    cand = {**inc, 0: True, 1: True, 10: False}
+    assert stratified_gain(10, 90, inc, cand, failed, solved) == pytest.approx(0.1 * 0.2 - 0.9 * 0.1)
+    assert stratified_gain(0, 100, inc, cand, [], solved) == pytest.approx(-0.1)
+
+
+def test_a_helpful_skill_is_admitted_on_half_failed_half_solved_probes(tmp_path, monkeypatch):
+    from recursa.recipes import rsipo
+    from recursa.skills import SkillLibrary
+
+    calls = []
+    _skill_learning(monkeypatch, {1: GOOD})
+    _skill_scores(monkeypatch, calls)
+    run = rsipo.train(load_config(None, SKILLS + ["train.steps=1"], recipe="rsipo"), tmp_path / "s", log=lambda *_: None)
+    store, lin = _lineage(run)
+    (cand,) = _skill_rounds(lin)
+    assert cand.accepted and cand.stats["b"] == 16 and cand.stats["c"] == 0
+    p = cand.payload
+    assert [a["text"] for a in p["added"]] == [GOOD] and p["removed"] == []
+    assert p["screen"] == [SKILLS_REGION, SKILLS_REGION + 63] and p["screen_solved"] == 32
+    assert len(p["probes_failed"]) == len(p["probes_solved"]) == 16  # half failed, half solved by the incumbent
+    assert all(s % 2 == 1 for s in p["probes_failed"]) and all(s % 2 == 0 for s in p["probes_solved"])
+    assert all(SKILLS_REGION <= s < SKILLS_REGION + 64 for s in p["probes_failed"] + p["probes_solved"])
+    # screen and incumbent with the incumbent (empty) library, the candidate with GOOD; the incumbent is re-scored on the probes
+    assert [(label.split(" @")[0], texts) for label, texts, _ in calls] == [("skills screen", []), ("skills incumbent", []), ("skills candidate", [GOOD])]
+    assert calls[1][2] == calls[2][2] == p["probes_failed"] + p["probes_solved"]
+    assert [s.text for s in SkillLibrary(store.db).active()] == [GOOD]
+    gate_row = [r for r in (json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()) if "skills/gate_accepted" in r]
+    assert gate_row[0]["skills/gate_accepted"] == 1.0 and gate_row[0]["skills/gate_probes_solved"] == 16.0
+    store.close()
+
+
+def test_regressions_beyond_the_budget_reject_and_restore_the_library(tmp_path, monkeypatch):
+    """BAD fixes all 16 failed probes but loses 4 of the 16 solved ones: significant
+    (p = 0.006), yet over max_regressions = 2; the library goes back to the incumbent."""
+    from recursa.recipes import rsipo
+    from recursa.skills import SkillLibrary
+
+    _skill_learning(monkeypatch, {1: BAD})
+    _skill_scores(monkeypatch)
+    run = rsipo.train(load_config(None, SKILLS + ["train.steps=1", "gate.max_regressions=2"], recipe="rsipo"), tmp_path / "s", log=lambda *_: None)
+    store, lin = _lineage(run)
+    (cand,) = _skill_rounds(lin)
+    assert not cand.accepted and cand.stats["b"] == 16 and cand.stats["c"] == 4 and cand.stats["p_value"] < 0.01
+    assert "4 regressions > max_regressions 2" in cand.reason and "p=" not in cand.reason  # the budget alone rejected it
+    lib = SkillLibrary(store.db)
+    assert lib.active() == []  # the incumbent: the empty library
+    (row,) = lib.all()
+    assert row.text == BAD and row.removed_step == 1  # kept as a removed row: provenance, and its id is never reused
+    state = json.loads((run / "checkpoints" / "step_000001" / "state.json").read_text())
+    assert state["skills"] == lib.snapshot() and state["skills_incumbent"] == []
+    store.close()
+
+
+def test_a_rejected_change_restores_a_nonempty_incumbent(tmp_path, monkeypatch):
+    """Step 1 admits GOOD; step 2 adds BAD, which the probes (all solved by the incumbent:
+    the failed side is empty, so the round has fewer probes) reject; GOOD stays, with the
+    usage it gained since."""
+    from recursa.recipes import rsipo
+    from recursa.skills import SkillLibrary
+
+    _skill_learning(monkeypatch, {1: GOOD, 2: BAD})
+    _skill_scores(monkeypatch)
+    run = rsipo.train(load_config(None, SKILLS + ["train.steps=2"], recipe="rsipo"), tmp_path / "s", log=lambda *_: None)
+    store, lin = _lineage(run)
+    first, second = _skill_rounds(lin)
+    assert first.accepted and not second.accepted and second.parent_id == first.id
+    assert second.payload["probes_failed"] == [] and len(second.payload["probes_solved"]) == 16 and second.stats["c"] == 2
+    assert second.payload["screen"][0] == first.payload["screen"][1] + 1  # the next block of the skills region
+    lib = SkillLibrary(store.db)
+    (good,) = lib.active()
+    assert good.text == GOOD and good.uses > 0  # retrieved by the teacher in both steps; the counts survive the restore
+    assert [s.text for s in lib.all() if s.removed_step == 2] == [BAD]
+    store.close()
+
+
+def test_skills_log_mode_records_but_keeps(tmp_path, monkeypatch):
+    from recursa.recipes import rsipo
+    from recursa.skills import SkillLibrary
+
+    _skill_learning(monkeypatch, {1: BAD})
+    _skill_scores(monkeypatch)
+    cfg = load_config(None, SKILLS + ["train.steps=1", "gate.max_regressions=2", "gate.mode=log"], recipe="rsipo")
+    run = rsipo.train(cfg, tmp_path / "s", log=lambda *_: None)
+    store, lin = _lineage(run)
+    (cand,) = _skill_rounds(lin)
+    assert not cand.accepted and lin.incumbent("skills").is_root
+    assert [s.text for s in SkillLibrary(store.db).active()] == [BAD]
+    store.close()
+
+
+def test_skills_gate_resumes_with_its_incumbent_and_a_consistent_lineage(tmp_path, monkeypatch):
+    """Log mode keeps the rejected BAD in the library, so the checkpoint's library is not the
+    incumbent (still the empty root): a resumed run must take the incumbent from the
+    checkpoint, gate BAD + GOOD at step 2 as the uninterrupted run does, and keep one root."""
+    from recursa.recipes import rsipo
+    from recursa.skills import SkillLibrary
+
+    _skill_learning(monkeypatch, {1: BAD, 2: GOOD})
+    _skill_scores(monkeypatch)
+    base = SKILLS + ["gate.every=1", "gate.mode=log", "gate.max_regressions=2", "run.checkpoint_every=1"]
+    straight = rsipo.train(load_config(None, base + ["train.steps=2"], recipe="rsipo"), tmp_path / "a", log=lambda *_: None)
+    part = rsipo.train(load_config(None, base + ["train.steps=1"], recipe="rsipo"), tmp_path / "b", log=lambda *_: None)
+    rsipo.train(load_config(None, base + ["train.steps=2"], recipe="rsipo"), part, resume=True, log=lambda *_: None)
+    sa, la = _lineage(straight)
+    sb, lb = _lineage(part)
+
+    def key(lin):
+        return [(c.step, c.accepted, c.parent_id, c.stats.get("b"), c.stats.get("c"), c.payload) for c in lin.candidates("skills")]
+
+    assert key(la) == key(lb) and len(key(la)) == 3  # the root and two rounds, once each
+    assert [a["text"] for a in lb.candidates("skills")[-1].payload["added"]] == [BAD, GOOD]
+    assert SkillLibrary(sa.db).snapshot() == SkillLibrary(sb.db).snapshot()
+    sa.close()
+    sb.close()
+
+
+def test_library_gating_needs_the_skills_in_context():
+    with pytest.raises(UserError, match="gate.skills_every > 0 needs skills.in_context = true"):
+        load_config(None, ["gate.mode=gate", "gate.skills_every=1"], recipe="rsipo")
+    with pytest.raises(UserError, match="gate.mode"):
+        load_config(None, ["skills.in_context=true", "gate.skills_every=1"], recipe="rsipo")
+    with pytest.raises(UserError, match="only the rsipo recipe"):
+        load_config(None, ["gate.mode=gate", "gate.skills_every=1"])
+    with pytest.raises(UserError, match="skills.in_context = true shows"):
+        load_config(None, ["teacher.source=none", "teacher.lam=0", "skills.enabled=false", "skills.in_context=true"], recipe="rsipo")
+    cfg = load_config(None, ["gate.mode=log", "gate.skills_every=2", "skills.in_context=true"], recipe="rsipo")
+    assert cfg.gate.skills_every == 2 and cfg.gate.skills_screen is None

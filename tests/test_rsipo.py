@@ -140,6 +140,82 @@ def test_choose_sources_takes_a_success_and_a_failure_per_group():
     assert choose_sources(attempts, 2, 4, 0, torch.Generator()) == []
 
 
+# ----------------------------------------------------------------------------- skills in context
+
+
+def test_skills_in_context_is_off_by_default_and_leaves_prompts_alone(tiny_policy):
+    assert _cfg().skills.in_context is False
+    params, envs = SamplingParams(max_new_tokens=4), lambda: make_env("toy-digits")
+    plain = rollout(tiny_policy, envs, [3, 4], 2, params, torch.Generator().manual_seed(0), None)
+    nones = rollout(tiny_policy, envs, [3, 4], 2, params, torch.Generator().manual_seed(0), None, hints=[None, None])
+    assert [t.token_ids for t in plain.trajectories] == [t.token_ids for t in nones.trajectories]
+
+
+def test_skills_in_context_put_the_hint_in_the_policys_prompts(tiny_policy):
+    """Single-turn: the hint follows the question (where the teacher's goes), for the
+    hinted seed's whole group only; games: after the task line of every turn. The attempts
+    remember the hint, so the prompt re-renders exactly; the teacher's student context is
+    the bare message and a teacher with the same skill scores exactly the row's prompt."""
+    tok = tiny_policy.tokenizer
+    hint = skill_hint([GOOD_SKILL])
+    hint_ids = tok.encode(hint, add_special_tokens=False)
+    params, gen = SamplingParams(max_new_tokens=4), torch.Generator().manual_seed(0)
+    ro = rollout(tiny_policy, lambda: make_env("toy-digits"), [3, 4], 2, params, gen, None, hints=[hint, None])
+    attempts = completion_attempts(ro.trajectories, 1, [hint, None])
+    for traj, attempt in zip(ro.trajectories, attempts):
+        first = traj.action_mask.index(1)
+        ctx = attempt.contexts[0]
+        assert ctx.hint == (hint if traj.group == 0 else None) and traj.prompt_text == ctx.observation  # the question, without the hint
+        assert render_prompt(tok, user_message(ctx, AgentConfig(), ctx.hint), None) == traj.token_ids[:first]
+        shown = any(traj.token_ids[i : i + len(hint_ids)] == hint_ids for i in range(first))
+        assert shown == (traj.group == 0)
+    agent = AgentConfig(history_turns=1)
+    ero = rollout_episodes(tiny_policy, lambda: make_env("toy-corridor", max_steps=3), [1, 2], 2, params, gen, None, agent, hints=[None, hint])
+    for episode, attempt in zip(ero.episodes, episode_attempts(ero.episodes, 1, agent, [None, hint])):
+        for turn, ctx in zip(episode.turns, attempt.contexts):
+            assert ctx.hint == (hint if episode.group == 1 else None)
+            assert render_prompt(tok, user_message(ctx, agent, ctx.hint), None) == turn.prompt_ids
+            assert (hint in tok.decode(turn.prompt_ids)) == (episode.group == 1)
+    cfg = _cfg("env.name=toy-digits")
+    rows, contexts = ro.trajectories, [a.contexts[0] for a in attempts]
+    teacher, student = teacher_logprobs(tiny_policy, rows, contexts, [hint] * len(rows), cfg, None)
+    model = tiny_policy.causal_lm
+    for row, ctx, lt, ls in zip(rows, contexts, teacher, student):
+        first = row.action_mask.index(1)
+        bare = render_prompt(tok, user_message(ctx, cfg.agent), None)
+        with torch.no_grad():
+            for prompt, got in ((render_prompt(tok, user_message(ctx, cfg.agent, hint), None), lt), (bare, ls)):
+                ids = torch.tensor([prompt + row.token_ids[first:]])
+                want, _ = sequence_logprobs(model, ids, torch.ones_like(ids), (torch.arange(ids.shape[1]) >= len(prompt)).float()[None])
+                assert torch.allclose(got, want[0, len(prompt):], atol=1e-5)
+        if ctx.hint is not None:
+            assert render_prompt(tok, user_message(ctx, cfg.agent, hint), None) == row.token_ids[:first]  # the teacher: the row's own prompt
+
+
+def test_recipe_with_skills_in_context(tmp_path, monkeypatch):
+    """A skill admitted at step 1 is in the policy's prompts at step 2 (and in the replay
+    buffer's contexts); step 1, with an empty library, is the run without the option."""
+    text = "Write digits only, one digit per item."
+    monkeypatch.setattr(rsipo, "parse_skill", lambda reply, w, c: ParsedSkill(text, True, "ok", len(text.split()), 0))
+    sets = ["env.name=toy-digits", "train.steps=2", "train.prompts_per_step=2", "train.group_size=2", "skills.write_per_group=1", "skills.candidates=2",
+            "eval.n=4", "eval.before=false"]
+    from recursa.recipes import common
+
+    evaluated, real = [], common.evaluate
+    monkeypatch.setattr(common, "evaluate", lambda *a, **k: evaluated.append(k["hints"]) or real(*a, **k))
+    on = rsipo.train(_cfg(*sets, "skills.in_context=true"), tmp_path / "on", log=lambda *_: None)
+    off = rsipo.train(_cfg(*sets, "train.steps=1"), tmp_path / "off", log=lambda *_: None)
+    assert evaluated == [[skill_hint([text])] * 4, None]  # the held-out evaluation after training shows the skill too
+    first, second = _train_rows(on)
+    assert first["skills/in_context_frac"] == 0.0 and second["skills/in_context_frac"] == 1.0
+    assert "skills/in_context_frac" not in _train_rows(off)[0]
+    assert {k: v for k, v in _stable(first).items() if k != "skills/in_context_frac"} == _stable(_train_rows(off)[0])
+    replay = _rows(on, "replay")
+    assert all("hint" not in c for r in replay if r["step"] == 1 for c in r["contexts"])
+    assert all(c["hint"] == skill_hint([text]) for r in replay if r["step"] == 2 for c in r["contexts"])
+    assert all("hint" not in c for r in _rows(off, "replay") for c in r["contexts"])
+
+
 # ----------------------------------------------------------------------------- teacher and replay scoring
 
 

@@ -18,6 +18,7 @@ from recursa.skills import (
     parse_skill,
     render_trajectory_for_skill,
     retrieve,
+    retrieve_many,
     skill_writing_prompt,
     tokenize,
 )
@@ -239,6 +240,23 @@ def test_retrieve_ranks_the_relevant_skill_first(tmp_path):
     assert heat not in [s.id for s in retrieve(lib, "heat the egg in the microwave", k=3)]
     with pytest.raises(UserError, match="bm25"):
         retrieve(lib, "heat", k=1, method="tfidf")
+
+
+def test_retrieve_many_is_retrieve_per_query_with_one_index(tmp_path, monkeypatch):
+    lib = SkillLibrary(tmp_path / "lib.sqlite")
+    assert retrieve_many(lib, ["heat", "clean"], k=2) == [[], []]
+    add(lib, "Open the fridge to find food before searching the counters.")
+    add(lib, "To heat something, take it to the microwave and use heat with the microwave.")
+    add(lib, "To clean something, take it to the sink basin and use clean.")
+    queries = ["heat some egg", "clean the egg and put it in the fridge", "examine the lamp", ""]
+    builds = []
+    real = BM25Index.build
+    monkeypatch.setattr(BM25Index, "build", lambda self, docs: builds.append(1) or real(self, docs))
+    many = retrieve_many(lib, queries, k=2)
+    assert len(builds) == 1
+    assert many == [retrieve(lib, q, k=2) for q in queries] and many[2] == many[3] == []
+    with pytest.raises(UserError, match="bm25"):
+        retrieve_many(lib, ["heat"], k=1, method="tfidf")
 
 
 def test_retrieve_by_embedding_without_the_package_is_a_user_error(tmp_path, monkeypatch):

@@ -14,6 +14,7 @@ import torch
 
 from recursa.config import dump_config
 from recursa.envs import EnvPool, make_env
+from recursa.envs.base import split_seeds
 from recursa.errors import UserError
 from recursa.evaluate import EvalResult, evaluate
 from recursa.generation import sequence_logprobs
@@ -135,17 +136,23 @@ def open_run(cfg, out: Path, resume: bool, log: Callable[[str], None], kl_refere
     return run
 
 
-def eval_before(run: OpenedRun, cfg, progress: Progress | None, log: Callable[[str], None]) -> None:
+Hints = Callable[[list[int]], list[str | None]]  # seeds -> the hint shown with each (RSIPO's skills.in_context)
+
+
+def eval_before(run: OpenedRun, cfg, progress: Progress | None, log: Callable[[str], None], hints: Hints | None = None) -> None:
     """The held-out evaluation before training (eval/before.json), once per run."""
     if run.start_step == 0 and cfg.eval.before and cfg.eval.n > 0 and not (run.store.path / "eval" / "before.json").exists():
-        r = run_eval(run.policy, cfg, run.pool, run.store, 0, "before", progress)
+        r = run_eval(run.policy, cfg, run.pool, run.store, 0, "before", progress, hints=hints)
         log(f"before: success {r.success_rate:.3f} [{r.ci95[0]:.3f}, {r.ci95[1]:.3f}] on {r.n} {cfg.eval.split} items")
 
 
-def run_eval(policy: Policy, cfg, pool: EnvPool, store: RunStore, step: int, label: str, progress: Progress | None, gate=None) -> EvalResult:
+def run_eval(policy: Policy, cfg, pool: EnvPool, store: RunStore, step: int, label: str, progress: Progress | None, gate=None,
+             hints: Hints | None = None) -> EvalResult:
     """Greedy held-out evaluation; writes eval/<label>.json, the ledger row and eval/* metrics.
-    With a `WeightsGate`, an evaluation after training started is recorded as a test look."""
+    With a `WeightsGate`, an evaluation after training started is recorded as a test look.
+    With `hints`, each item is shown the hint it gives for the item's seed."""
     ec = cfg.eval
+    seeds = split_seeds(ec.split, ec.n)
     result = evaluate(
         policy,
         pool,
@@ -159,6 +166,8 @@ def run_eval(policy: Policy, cfg, pool: EnvPool, store: RunStore, step: int, lab
         label=label,
         progress=(lambda d, t: progress(f"eval {label}", d, t)) if progress else None,
         agent=cfg.agent,
+        seeds=seeds,
+        hints=hints(seeds) if hints is not None else None,
     )
     path = store.path / "eval" / f"{label}.json"
     result.save(path)

@@ -18,11 +18,17 @@ current weights are a *candidate* against the *incumbent*, the last accepted wei
 
 Test-split evaluations of a gated run are recorded as *looks* (paired against the
 evaluation before training, with the gain's interval), capped by `gate.max_test_looks`.
+
+Prompt proposals (`PromptGate`) and changes to RSIPO's skill library (`SkillGate`) are
+gated the same way, each on its own region of the gate split (weights rounds from index 0,
+prompt rounds from 500_000_000, skills rounds from 750_000_000), each with its own alpha
+spending over its rounds, all recorded in the same lineage.
 """
 
 from __future__ import annotations
 
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -41,9 +47,12 @@ from recursa.store import RunStore
 class WeightsGate:
     """The weights gate of one run; `check` runs one round."""
 
-    def __init__(self, cfg, store: RunStore, pool: EnvPool, start_step: int, log: Callable[[str], None] = print):
+    def __init__(self, cfg, store: RunStore, pool: EnvPool, start_step: int, log: Callable[[str], None] = print,
+                 hints: Callable[[list[int]], list[str | None]] | None = None):
+        """`hints`: seeds -> the hint each gate item is shown with (RSIPO's skills.in_context:
+        both weights are evaluated with the run's current skill library in context)."""
         gc = cfg.gate
-        self.cfg, self.store, self.pool, self.log = cfg, store, pool, log
+        self.cfg, self.store, self.pool, self.log, self.hints = cfg, store, pool, log, hints
         self.gate_cfg = GateConfig(
             alpha=gc.alpha, delta=gc.delta, max_regressions=gc.max_regressions, regression_rate=gc.regression_rate,
             regression_confidence=gc.regression_confidence, spending=gc.spending,
@@ -116,6 +125,7 @@ class WeightsGate:
             policy, self.pool, cfg.env.name, "gate", len(seeds), cfg.eval.max_new_tokens or cfg.sampling.max_new_tokens,
             cfg.model.system_prompt or None, batch_size=cfg.eval.batch_size, stop=tuple(cfg.sampling.stop), label=label,
             progress=(lambda d, n: progress(label, d, n)) if progress else None, agent=cfg.agent, seeds=seeds,
+            hints=self.hints(seeds) if self.hints is not None else None,
         )
 
     # ---- test-split looks -----------------------------------------------------------
@@ -269,3 +279,189 @@ class PromptGate:
             "prompt/selection_rate": best_rate, "prompt/incumbent_rate": inc.success_rate, "prompt/candidate_rate": cand.success_rate,
         })
         return metrics
+
+
+# ------------------------------------------------------------------------------ skills
+
+SKILLS_GATE_BASE = 750_000_000  # skill rounds screen gate items from here: weights rounds start at 0, prompt rounds at 500_000_000
+_COUNTERS = ("uses", "last_used_step", "trust_successes", "trust_trials")  # usage and trust, kept through a revert
+
+
+def draw_probes(screened: list[tuple[int, bool]], n: int) -> tuple[list[int], list[int]]:
+    """The probes of a skills round from the screening block's (seed, incumbent solved)
+    pairs, in block order: the first n - n // 2 seeds the incumbent failed and the first
+    n // 2 it solved. A side that runs short gives all it has and the other side does not
+    make up for it, so a round may test fewer than n probes (all of them on one side when
+    the incumbent solves everything or nothing). Block order is seed order, which the
+    tasks do not depend on, so the first ones are as good as a random draw."""
+    failed = [s for s, ok in screened if not ok][: n - n // 2]
+    solved = [s for s, ok in screened if ok][: n // 2]
+    return failed, solved
+
+
+def stratified_gain(screen_failed: int, screen_solved: int, inc: dict[int, bool], cand: dict[int, bool], failed: list[int], solved: list[int]) -> float:
+    """The change in success rate the candidate brings over the whole screened population:
+    w_f mean(cand - inc | failed probes) + w_s mean(cand - inc | solved probes), with w the
+    share of each side in the screen (a side without probes has weight 0). Half-and-half
+    probes over-weight the smaller side: (b - c) / n alone can be positive while this is
+    negative (an incumbent solving 90% that gains 20% of its failures and loses 5% of its
+    successes loses 2.5 points overall)."""
+    total = screen_failed + screen_solved
+    gain = 0.0
+    for weight, side in ((screen_failed / total, failed), (screen_solved / total, solved)):
+        if side:
+            gain += weight * sum(int(cand[s]) - int(inc[s]) for s in side) / len(side)
+    return gain
+
+
+class SkillGate:
+    """Changes to the RSIPO skill library admitted only by the gate, as in GRASP.
+
+    What is measured: with `skills.in_context` the policy is shown its library's best skill
+    for each task in its own prompts, so a library is as good as the policy is with it in
+    context; a change is gated by evaluating the same weights with the incumbent library and
+    with the candidate library on the same gate items. (Without in_context the library only
+    feeds the self-teacher during training and never reaches the policy at evaluation, so
+    there is no held-out test of it: the config refuses gate.skills_every without it.)
+
+    A round (every `gate.skills_every` steps and at the end, right after the step's skills
+    are written and before the teacher uses them):
+
+        candidate  <- the live library: the incumbent plus every skill admitted (edited,
+                      removed) since the last round; no change, no round
+        screen     <- the incumbent library in context on `gate.skills_screen` fresh gate
+                      items (the next unused block from index 750_000_000 of the gate split)
+        probes     <- `draw_probes`: half items the incumbent failed, half it solved (fewer
+                      when a side runs short); the solved half is what gives the regression
+                      budget something to count
+        scores     <- greedy evaluation with the incumbent library, then the candidate
+                      library, on the probes; the screening scores picked the probes and are
+                      never reused as the incumbent's scores
+        decision   <- binary_gate (exact McNemar, alpha spending over skills rounds, delta,
+                      regression budget), and the screen-weighted gain `stratified_gain`
+                      >= delta (half-and-half probes alone can accept a change that lowers
+                      the overall success rate)
+        accepted   -> the live library becomes the incumbent
+        rejected   -> mode "gate": the library goes back to the incumbent (usage and trust
+                      counts kept; a rejected new skill stays as a removed row, so no skill
+                      id is ever reused); mode "log": recorded only
+        lineage    <- kind "skills": the added and removed skills, the screen block, the
+                      probes and the decision
+
+    Between rounds (skills_every > 1) the pending skills are in the library, so the teacher
+    and the in-context prompts already use them until a rejection takes them out. The
+    incumbent snapshot is stored with each checkpoint, so a resumed run goes on from the
+    same incumbent; the lineage is the run's (truncated once per run by the WeightsGate).
+    """
+
+    def __init__(self, cfg, pool: EnvPool, lineage: Lineage, library, hints: Callable, incumbent: list[dict] | None = None,
+                 log: Callable[[str], None] = print):
+        gc = cfg.gate
+        self.cfg, self.pool, self.lineage, self.library, self.hints, self.log = cfg, pool, lineage, library, hints, log
+        self.gate_cfg = GateConfig(
+            alpha=gc.alpha, delta=gc.delta, max_regressions=gc.max_regressions, regression_rate=gc.regression_rate,
+            regression_confidence=gc.regression_confidence, spending=gc.spending,
+        )
+        self.incumbent: list[dict] = library.snapshot() if incumbent is None else incumbent
+        if not lineage.candidates("skills"):
+            active = library.active()
+            lineage.root("skills", f"{len(active)} skills", {"active": [s.id for s in active]}, step=0)
+
+    # ---- the libraries ----------------------------------------------------------------
+    def _incumbent_library(self):
+        from recursa.skills import SkillLibrary
+
+        lib = SkillLibrary(":memory:")
+        lib.restore(self.incumbent)
+        return lib
+
+    def pending(self) -> tuple[list, list]:
+        """(added, removed): active skills of the live library that the incumbent lacks, and
+        the incumbent's active skills the live library no longer has (an edit is both)."""
+        lib = self._incumbent_library()
+        before = {s.id: s for s in lib.active()}
+        lib.close()
+        now = {s.id: s for s in self.library.active()}
+        return [s for i, s in now.items() if i not in before], [s for i, s in before.items() if i not in now]
+
+    def _revert(self, step: int) -> None:
+        """Back to the incumbent: its rows with today's usage and trust counts, plus every
+        new skill since, kept as a row removed at `step` (provenance; ids are not reused).
+        An edit's new version is dropped (the recipe writes no edits)."""
+        now = {r["id"]: r for r in self.library.snapshot()}
+        kept = {r["id"] for r in self.incumbent}
+        rows = [{**r, **{k: now[r["id"]][k] for k in _COUNTERS}} if r["id"] in now else r for r in self.incumbent]
+        rows += [{**r, "removed_step": step if r["removed_step"] is None else r["removed_step"]}
+                 for i, r in now.items() if i not in kept and r["parent_id"] is None]
+        self.library.restore(rows)
+
+    def _score(self, policy: Policy, library, seeds: list[int], label: str) -> EvalResult:
+        cfg = self.cfg
+        return evaluate(
+            policy, self.pool, cfg.env.name, "gate", len(seeds), cfg.eval.max_new_tokens or cfg.sampling.max_new_tokens,
+            cfg.model.system_prompt or None, batch_size=cfg.eval.batch_size, stop=tuple(cfg.sampling.stop), label=label,
+            agent=cfg.agent, seeds=seeds, hints=self.hints(library, seeds),
+        )
+
+    def _screen_block(self) -> list[int]:
+        """The next unused block of the skills region of the gate split."""
+        from recursa.envs.base import split_seed
+
+        gc = self.cfg.gate
+        size = gc.skills_screen or 2 * gc.n
+        used = [c.payload["screen"][1] for c in self.lineage.candidates("skills") if not c.is_root]
+        start = (max(used) - split_seed("gate", 0) + 1) if used else SKILLS_GATE_BASE
+        return [split_seed("gate", start + i) for i in range(size)]
+
+    # ---- one round ----------------------------------------------------------------------
+    def check(self, policy: Policy, step: int) -> dict:
+        """Gate the library's changes since the last round at `step`; returns skills/gate_*
+        metrics ({} when nothing changed). With mode "gate", a rejection leaves the library
+        at the incumbent."""
+        gc = self.cfg.gate
+        added, removed = self.pending()
+        if not added and not removed:
+            return {}
+        t = len(self.lineage.candidates("skills"))  # the root plus t - 1 earlier rounds
+        block = self._screen_block()
+        incumbent_lib = self._incumbent_library()
+        screen = self._score(policy, incumbent_lib, block, f"skills screen @ {step}")
+        screened = [(i.seed, i.success) for i in screen.items]
+        failed, solved = draw_probes(screened, gc.n)
+        probes = failed + solved
+        inc = self._score(policy, incumbent_lib, probes, f"skills incumbent @ {step}")
+        incumbent_lib.close()
+        cand = self._score(policy, self.library, probes, f"skills candidate @ {step}")
+        inc_ok, cand_ok = {i.seed: i.success for i in inc.items}, {i.seed: i.success for i in cand.items}
+        decision = binary_gate([inc_ok[s] for s in probes], [cand_ok[s] for s in probes], self.gate_cfg, t=t)
+        n_solved = sum(ok for _, ok in screened)
+        weighted = stratified_gain(len(screened) - n_solved, n_solved, inc_ok, cand_ok, failed, solved)
+        if weighted < gc.delta:
+            note = f"screen-weighted gain {weighted:.4f} < delta {gc.delta:g}"
+            decision = replace(decision, accepted=False, reason=f"rejected: {note}" if decision.accepted else f"{decision.reason}; {note}")
+        keep = decision.accepted or gc.mode == "log"
+        payload = {
+            "added": [{"id": s.id, "text": s.text} for s in added], "removed": [{"id": s.id, "text": s.text} for s in removed],
+            "screen": [block[0], block[-1]], "screen_solved": n_solved, "probes_failed": failed, "probes_solved": solved,
+            "weighted_gain": weighted,
+        }
+        summary = " ".join([f"+{len(added)}"] + ([f"-{len(removed)}"] if removed else []) + [_squash(added[0].text if added else removed[0].text, 60)])
+        incumbent = self.lineage.incumbent("skills")
+        self.lineage.record("skills", incumbent.id, step, summary, payload, decision)
+        if decision.accepted:
+            self.incumbent = self.library.snapshot()
+        elif not keep:
+            self._revert(step)
+        verdict = "accepted" if decision.accepted else ("rejected, kept (log mode)" if keep else "rejected, library restored")
+        self.log(
+            f"skills gate @ {step}: +{len(added)} -{len(removed)} skills; incumbent {inc.success_rate:.3f} -> candidate {cand.success_rate:.3f} "
+            f"on {len(failed)} failed + {len(solved)} solved probes (screen {n_solved}/{len(screened)}), b={decision.b} c={decision.c} "
+            f"p={decision.p_value:.3g} (alpha_t {decision.alpha_t:.3g}), screen-weighted gain {weighted:.3f}: {verdict}"
+        )
+        return {
+            "skills/gate_accepted": float(decision.accepted), "skills/gate_restored": float(not keep), "skills/gate_p_value": decision.p_value,
+            "skills/gate_gain": decision.gain, "skills/gate_weighted_gain": weighted, "skills/gate_regressions": decision.c,
+            "skills/gate_incumbent_rate": inc.success_rate, "skills/gate_candidate_rate": cand.success_rate,
+            "skills/gate_probes_failed": float(len(failed)), "skills/gate_probes_solved": float(len(solved)),
+            "skills/gate_screen_rate": n_solved / len(screened), "time/skills_gate_s": screen.seconds + inc.seconds + cand.seconds,
+        }

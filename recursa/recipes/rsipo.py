@@ -2,6 +2,8 @@
 
     for step in range(steps):
         seeds      <- B training seeds (as GRPO)
+        [in context <- skills.in_context: per task, the library's best skill, shown to the policy in its own
+                      prompts (after the task line / the question, where the teacher's hint goes)]
         rollout    -> B x G attempts: single-turn completions, or multi-turn episodes (one row per turn)
         outcome    <- A_outcome from rewards (B, G)                       (+ GiGPO's step term, games)
         buffer     <- this step's attempts join the replay buffer (replay.jsonl, for resume)
@@ -12,6 +14,9 @@
                       seeds, D = mean over tau''s action tokens of log pi_old(a | ctx + s) - log pi_old(a | ctx);
                       length / invalid penalties; normalised within the K candidates -> the advantage of
                       the writing tokens (x skills.coef); the best candidate enters the library
+        [skills gate <- gate.skills_every: the library with this round's new skills vs the incumbent library,
+                      both in context, on gate probes half failed / half solved by the incumbent
+                      (recipes/gating.py SkillGate); a rejection restores the incumbent library]
         retrieve   <- per task (group): the library's best skill, BM25 over task text + first observation
         teacher    <- Delta_t = log pi_old(a_t | ctx + hint) - log pi_old(a_t | ctx) on every row with a hint
                       (the hint: a skill | the walkthrough or reference answer | a successful sibling)
@@ -34,6 +39,11 @@ Where this departs from the spec's letter, and why:
   so an attempt's trials and trust refer to one skill: the top-ranked one when retrieve_k > 1.
 * Both log-probs of Delta are recomputed at the rollout's weights by the update's log-prob
   function, not taken from the sampler, so Delta is exactly 0 when the hint is empty.
+* With skills.in_context the policy acted on its prompt with a skill in it; Delta still
+  compares the context with the teacher's hint to the bare context (never a context with
+  two hints), so for a skill teacher the teacher side is exactly the row's own prompt and
+  the student side is the prompt re-rendered without the skill; a replayed attempt is
+  likewise scored with the candidate skill vs with no skill, whatever it was shown.
 * The update aggregates the action rows and the writing rows in one call; their advantages are
   rescaled (`term_scales`) so that the loss is L_policy + coef * L_writing, each averaged over its
   own tokens, and the writing rows never dilute the policy's gradient.
@@ -67,10 +77,10 @@ from recursa.envs import EnvPool, system_prompt_of
 from recursa.generation import SamplingParams, generate, sequence_logprobs, shared_prefix_logprobs
 from recursa.models import Policy
 from recursa.recipes.common import Progress, eval_before, lr_at, open_run, run_eval, step_generator
-from recursa.recipes.gating import WeightsGate
+from recursa.recipes.gating import SkillGate, WeightsGate
 from recursa.recipes.grpo import Imitation, episode_rows, train_seeds, update
-from recursa.rollout import render_prompt, rollout, rollout_episodes
-from recursa.skills import SkillLibrary, SkillWritingStats, parse_skill, render_trajectory_for_skill, retrieve, skill_writing_prompt
+from recursa.rollout import render_prompt, rollout, rollout_episodes, with_hint
+from recursa.skills import SkillLibrary, SkillWritingStats, parse_skill, render_trajectory_for_skill, retrieve, retrieve_many, skill_writing_prompt
 from recursa.skills.writing import MARKER, ParsedSkill
 from recursa.trajectory import Trajectory, collate
 
@@ -85,12 +95,15 @@ class Context:
     observation: str
     admissible: list[str] | None = None
     history: list[tuple[str, str]] = field(default_factory=list)  # the (observation, action) pairs shown
+    hint: str | None = None  # the skill hint the policy itself was shown (skills.in_context), None otherwise
 
 
 def user_message(ctx: Context, agent: AgentConfig, hint: str | None = None) -> str:
-    """The turn's user message, with `hint` after the task line (games) or after the question."""
+    """The turn's user message with `hint` after the task line (games) or after the question,
+    and no other hint: `user_message(ctx, agent, ctx.hint)` is the message the policy acted
+    on, `user_message(ctx, agent)` the bare one."""
     if ctx.task is None:
-        return f"{ctx.observation.rstrip()}\n\n{hint.strip()}" if hint else ctx.observation
+        return with_hint(ctx.observation, hint)
     return render_turn(ctx.task, ctx.observation, ctx.admissible, ctx.history, agent, hint=hint)
 
 
@@ -110,31 +123,39 @@ class Attempt:
     texts: list[str]  # per turn: the action sent to the game, or the reply
 
     def to_json(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        for c in d["contexts"]:  # no hint key without skills.in_context: replay.jsonl as before the option
+            if c["hint"] is None:
+                del c["hint"]
+        return d
 
     @classmethod
     def from_json(cls, d: dict) -> "Attempt":
-        contexts = [Context(c["task"], c["observation"], c["admissible"], [tuple(h) for h in c["history"]]) for c in d["contexts"]]
+        contexts = [Context(c["task"], c["observation"], c["admissible"], [tuple(h) for h in c["history"]], c.get("hint")) for c in d["contexts"]]
         return cls(d["env"], d["seed"], d["step"], d["group"], d["success"], d["task"], contexts, d["actions"], d["texts"])
 
 
-def episode_attempts(episodes, step: int, agent: AgentConfig) -> list[Attempt]:
+def episode_attempts(episodes, step: int, agent: AgentConfig, hints: list[str | None] | None = None) -> list[Attempt]:
+    """One attempt per episode; `hints[g]`: the hint shown to group g's episodes (in_context)."""
     out = []
     for e in episodes:
         keep = agent.history_turns
+        hint = hints[e.group] if hints is not None else None
         contexts = [
-            Context(e.task, t.observation, t.admissible, [(u.observation, u.action) for u in e.turns[max(0, k - keep) : k]] if keep else [])
+            Context(e.task, t.observation, t.admissible, [(u.observation, u.action) for u in e.turns[max(0, k - keep) : k]] if keep else [], hint)
             for k, t in enumerate(e.turns)
         ]
         out.append(Attempt(e.env, e.seed, step, e.group, e.won, e.task, contexts, [t.action_ids for t in e.turns], [t.action for t in e.turns]))
     return out
 
 
-def completion_attempts(trajs: list[Trajectory], step: int) -> list[Attempt]:
+def completion_attempts(trajs: list[Trajectory], step: int, hints: list[str | None] | None = None) -> list[Attempt]:
+    """One attempt per completion; `hints[g]`: the hint shown to group g (in_context)."""
     out = []
     for t in trajs:
         first = t.action_mask.index(1)
-        out.append(Attempt(t.env, t.seed, step, t.group, t.success, t.prompt_text, [Context(None, t.prompt_text)], [t.token_ids[first:]], [t.completion_text]))
+        ctx = Context(None, t.prompt_text, hint=hints[t.group] if hints is not None else None)
+        out.append(Attempt(t.env, t.seed, step, t.group, t.success, t.prompt_text, [ctx], [t.token_ids[first:]], [t.completion_text]))
     return out
 
 
@@ -178,7 +199,9 @@ def teacher_logprobs(policy: Policy, rows: list[Trajectory], contexts: list[Cont
     gradient: log pi(a_t | context + hint) and log pi(a_t | context), zeros where the hint is
     None. The student context is the row's own prompt ids; the teacher's is the same user
     message rendered again with the hint inserted, through the same chat template; the action
-    ids are the row's, untouched."""
+    ids are the row's, untouched. A row whose policy saw a skill in context (ctx.hint) has the
+    bare message re-rendered as its student context, so Delta is always hint vs no hint (and
+    a skill teacher with that same skill scores exactly the row's prompt)."""
     tok = policy.tokenizer
     pairs, which = [], []
     for i, (row, ctx, hint) in enumerate(zip(rows, contexts, hints)):
@@ -186,7 +209,7 @@ def teacher_logprobs(policy: Policy, rows: list[Trajectory], contexts: list[Cont
             continue
         first = row.action_mask.index(1)
         actions = row.token_ids[first:]
-        pairs.append((row.token_ids[:first], actions))
+        pairs.append((row.token_ids[:first] if ctx.hint is None else render_prompt(tok, user_message(ctx, cfg.agent), system), actions))
         pairs.append((render_prompt(tok, user_message(ctx, cfg.agent, hint), system), actions))
         which.append(i)
     scores = score_actions(policy, pairs, cfg)
@@ -390,6 +413,27 @@ def learn_skills(policy: Policy, attempts: list[Attempt], buffer: list[Attempt],
 # ----------------------------------------------------------------------------- teacher contexts
 
 
+def skill_query(task: str, observation: str) -> str:
+    """What a task's skills are retrieved by: its task line (single-turn: the question) and
+    its first observation."""
+    return f"{task} {observation}"
+
+
+def library_hints(library: SkillLibrary, pool: EnvPool, seeds: list[int], cfg: RSIPOConfig, multi_turn: bool) -> list[str | None]:
+    """Per seed, the hint its task is shown with under `skills.in_context`: the library's
+    best skills for the task, retrieved as for the teacher; None where none matches. Reads
+    each task by resetting one env of the pool (no env is reset for an empty library)."""
+    if not len(library):
+        return [None] * len(seeds)
+    env = pool.take(1)[0]
+    queries = []
+    for seed in seeds:
+        obs = env.reset(seed)
+        queries.append(skill_query(env.task if multi_turn else obs, obs))
+    found = retrieve_many(library, queries, cfg.skills.retrieve_k, family=cfg.env.name, method=cfg.skills.retrieval)
+    return [skill_hint([s.text for s in f]) if f else None for f in found]
+
+
 def teacher_hints(attempts: list[Attempt], cfg: RSIPOConfig, library: SkillLibrary, pool: EnvPool, multi_turn: bool, G: int) -> tuple[list[str | None], list]:
     """Per attempt: the teacher's hint text (None: no teacher for it) and its trust group
     (a skill id, 'reference', 'sibling', or None)."""
@@ -399,7 +443,7 @@ def teacher_hints(attempts: list[Attempt], cfg: RSIPOConfig, library: SkillLibra
     if tc.source == "skill":
         for b in range(0, n, G):
             first = attempts[b]
-            found = retrieve(library, f"{first.task} {first.contexts[0].observation}", cfg.skills.retrieve_k, family=cfg.env.name, method=cfg.skills.retrieval)
+            found = retrieve(library, skill_query(first.task, first.contexts[0].observation), cfg.skills.retrieve_k, family=cfg.env.name, method=cfg.skills.retrieval)
             if found:
                 for i in range(b, b + G):
                     hints[i], groups[i] = skill_hint([s.text for s in found]), found[0].id
@@ -497,10 +541,16 @@ def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress 
         log(f"restored {len(library)} skills and {len(buffer)} replayable attempts (step {start_step}/{cfg.train.steps})")
     else:  # a new run (or one resumed before its first checkpoint) starts with an empty library
         library.restore([])
-    gate = WeightsGate(cfg, store, pool, start_step, log) if cfg.gate.mode != "off" else None
+    # skills.in_context: the policy sees its library's skill for each task in rollouts and in every evaluation
+    hints_for = (lambda seeds: library_hints(library, pool, seeds, cfg, multi_turn)) if cfg.skills.in_context else None
+    gate = WeightsGate(cfg, store, pool, start_step, log, hints=hints_for) if cfg.gate.mode != "off" else None
     if gate is not None:
         gate.start(policy, optimizer, f"{cfg.model.name}{run.origin}")
-    eval_before(run, cfg, progress, log)
+    skill_gate = None
+    if gate is not None and cfg.gate.skills_every:  # the same lineage, truncated once by the WeightsGate
+        skill_gate = SkillGate(cfg, pool, gate.lineage, library, lambda lib, seeds: library_hints(lib, pool, seeds, cfg, multi_turn),
+                               run.state.get("skills_incumbent"), log)
+    eval_before(run, cfg, progress, log, hints=hints_for)
 
     sampling = SamplingParams(cfg.sampling.max_new_tokens, cfg.sampling.temperature, cfg.sampling.top_p, tuple(cfg.sampling.stop))
     B, G = cfg.train.prompts_per_step, cfg.train.group_size
@@ -510,23 +560,24 @@ def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress 
         gen = step_generator(cfg.train.seed, step)
         seeds = train_seeds(cfg, step)
         episode_metrics = {}
+        shown = hints_for(seeds) if hints_for is not None else None  # (B,) the skill hint in each task's prompts, or None
 
         # ---- rollout and outcome advantages (as GRPO) ----------------------------------
         if multi_turn:
-            ero = rollout_episodes(policy, pool, seeds, G, sampling, gen, system, cfg.agent)
+            ero = rollout_episodes(policy, pool, seeds, G, sampling, gen, system, cfg.agent, hints=shown)
             gen_stats = ero.stats
             rewards = torch.tensor([e.total_reward for e in ero.episodes], dtype=torch.float32).view(B, G)  # (B, G)
             advantages = compute_advantages(cfg.algo.advantage, rewards)  # (B, G)
             rows, row_adv, episode_metrics = episode_rows(ero.episodes, advantages, cfg)  # one row per turn
-            attempts = episode_attempts(ero.episodes, step + 1, cfg.agent)
+            attempts = episode_attempts(ero.episodes, step + 1, cfg.agent, shown)
         else:
-            ro = rollout(policy, pool, seeds, G, sampling, gen, system)
+            ro = rollout(policy, pool, seeds, G, sampling, gen, system, hints=shown)
             gen_stats = ro.stats
             rows = ro.trajectories
             rewards = torch.tensor([t.reward for t in rows], dtype=torch.float32).view(B, G)  # (B, G)
             advantages = compute_advantages(cfg.algo.advantage, rewards)  # (B, G)
             row_adv = advantages.view(-1)
-            attempts = completion_attempts(rows, step + 1)
+            attempts = completion_attempts(rows, step + 1, shown)
         row_attempt = [a for a, att in enumerate(attempts) for _ in att.contexts]  # (rows,) attempt of each row
         row_context = [c for att in attempts for c in att.contexts]
         success = torch.tensor([a.success for a in attempts]).view(B, G)  # (B, G)
@@ -538,6 +589,12 @@ def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress 
         skills = learn_skills(policy, attempts, list(buffer), library, cfg, system, gen, step + 1) if sc.enabled else SkillStep()
         if skills.log:
             store.append_jsonl("skills", step + 1, skills.log)
+        if shown is not None:
+            skills.metrics["skills/in_context_frac"] = sum(h is not None for h in shown) / len(shown)
+        # ---- gate the library's changes: the incumbent vs the candidate library in context, on gate probes
+        if skill_gate is not None and ((step + 1) % cfg.gate.skills_every == 0 or step + 1 == cfg.train.steps):
+            skills.metrics.update(skill_gate.check(policy, step + 1))
+            skills.metrics["skills/library_size"] = float(len(library))
         t2 = time.perf_counter()
 
         # ---- teacher: Delta on every row whose task has a hint ---------------------------
@@ -658,15 +715,18 @@ def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress 
         if gate is not None and (done % cfg.gate.every == 0 or done == cfg.train.steps):
             store.log_metrics(done, gate.check(policy, optimizer, done, progress))
         if cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.train.steps and cfg.eval.n > 0:
-            r = run_eval(policy, cfg, pool, store, done, f"step_{done:04d}", progress, gate)
+            r = run_eval(policy, cfg, pool, store, done, f"step_{done:04d}", progress, gate, hints=hints_for)
             log(f"eval @ {done}: success {r.success_rate:.3f} [{r.ci95[0]:.3f}, {r.ci95[1]:.3f}]")
         if (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0) or done == cfg.train.steps:
-            store.save_checkpoint(done, policy, optimizer, {"opt_steps": opt_step, "trust": trust.state_dict(), "skills": library.snapshot()})
+            saved = {"opt_steps": opt_step, "trust": trust.state_dict(), "skills": library.snapshot()}
+            if skill_gate is not None:
+                saved["skills_incumbent"] = skill_gate.incumbent  # the last accepted library, for a resumed skills gate
+            store.save_checkpoint(done, policy, optimizer, saved)
 
     if cfg.train.steps == 0 and store.latest_checkpoint() is None:
         store.save_checkpoint(0, policy, optimizer, {"opt_steps": 0, "trust": trust.state_dict(), "skills": library.snapshot()})
     if cfg.eval.after and cfg.eval.n > 0 and not (out / "eval" / "after.json").exists():
-        r = run_eval(policy, cfg, pool, store, cfg.train.steps, "after", progress, gate)
+        r = run_eval(policy, cfg, pool, store, cfg.train.steps, "after", progress, gate, hints=hints_for)
         log(f"after: success {r.success_rate:.3f} [{r.ci95[0]:.3f}, {r.ci95[1]:.3f}] on {r.n} {cfg.eval.split} items")
     store.close()
     pool.close()

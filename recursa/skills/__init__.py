@@ -7,7 +7,7 @@ retrieved into later contexts.
 """
 
 from recursa.skills.library import Skill, SkillLibrary, SkillStats, normalise
-from recursa.skills.retrieval import BM25Index, EmbeddingRetriever, retrieve, tokenize
+from recursa.skills.retrieval import BM25Index, EmbeddingRetriever, retrieve, retrieve_many, tokenize
 from recursa.skills.writing import (
     ParsedSkill,
     SkillWritingStats,
@@ -28,6 +28,7 @@ __all__ = [
     "parse_skill",
     "render_trajectory_for_skill",
     "retrieve",
+    "retrieve_many",
     "skill_writing_prompt",
     "tokenize",
 ]

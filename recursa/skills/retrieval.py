@@ -146,11 +146,17 @@ def retrieve(library: SkillLibrary, query: str, k: int, family: str | None = Non
     The index is rebuilt from the active library on each call (cheap: a library holds
     hundreds of short rules), so it always matches the library's current state.
     """
+    return retrieve_many(library, [query], k, family, method)[0]
+
+
+def retrieve_many(library: SkillLibrary, queries: list[str], k: int, family: str | None = None, method: str = "bm25") -> list[list[Skill]]:
+    """`retrieve` for each query, with one index built for all of them (an evaluation
+    retrieves for hundreds of tasks)."""
     if method not in METHODS:
         raise UserError(f"unknown skill retrieval method {method!r}; choose one of {', '.join(METHODS)}")
     skills = library.active(family)
     if not skills or k <= 0:
-        return []
+        return [[] for _ in queries]
     index = BM25Index() if method == "bm25" else _default_embedding_retriever()
     index.build([s.text for s in skills])
-    return [skills[i] for i, _ in index.top_k(query, k)]
+    return [[skills[i] for i, _ in index.top_k(q, k)] for q in queries]
