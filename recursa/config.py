@@ -374,6 +374,7 @@ class ExpertIterationConfig(_Section):
     group_size: int = Field(4, ge=1, description="G: attempts per task (the budget of a round is B x G episodes)")
     per_task_cap: int = Field(2, ge=0, description="keep at most this many successes per task and round (0 = no cap), so easy tasks do not crowd out rare successes on hard ones; 1 = best-of-G")
     dedupe: bool = Field(True, description="drop repeated identical solutions of a task before the cap")
+    prefer_short: bool = Field(True, description="among equally rewarded successes keep the shortest first (fewest turns / tokens): a game won after wandering teaches wandering")
     revisit_frac: float = Field(0.25, ge=0, le=1, description="share of each round's tasks re-drawn from earlier unsolved tasks (hard tasks are sampled more often)")
     max_revisits: int = Field(2, ge=0, description="an unsolved task is re-drawn at most this many times")
     accumulate: bool = Field(False, description="fine-tune on every round's kept successes so far, not only this round's")

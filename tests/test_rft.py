@@ -39,6 +39,13 @@ def test_keep_solutions_cap_dedupe_best_first():
     assert [(a.seed, a.key) for a in keep_solutions(attempts, per_task_cap=1, dedupe=True)] == [(1, "y"), (2, "p")]  # best-of-G
 
 
+def test_keep_solutions_prefers_the_shortest_success():
+    # two wins of task 1 with equal reward: the 2-turn one first, the 6-turn loop second
+    long, short = Attempt(1, 1.0, True, "take | put | take | put | take | put", [], 6), Attempt(1, 1.0, True, "take | put", [], 2)
+    assert [a.length for a in keep_solutions([long, short], per_task_cap=1, dedupe=True)] == [2]
+    assert [a.length for a in keep_solutions([long, short], per_task_cap=1, dedupe=True, prefer_short=False)] == [6]
+
+
 def test_attempt_stats_by_hand():
     # task 1: 1 of 4 succeed; task 2: 0 of 4. pass@1 = (0.25 + 0) / 2; pass@4 = (1 + 0) / 2.
     attempts = [_a(1, True, "a"), _a(1, False, "b"), _a(1, False, "b"), _a(1, False, "b")] + [_a(2, False, "c")] * 4

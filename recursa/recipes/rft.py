@@ -4,8 +4,9 @@
         tasks    <- B training seeds: a share `revisit_frac` re-drawn from earlier unsolved
                     tasks (at most `max_revisits` times each), the rest fresh
         sample   -> B x G attempts with the current policy (episodes, for games)
-        keep     <- per task: the successes, best reward first, identical solutions
-                    dropped (`dedupe`), at most `per_task_cap` of them
+        keep     <- per task: the successes, best reward first, then shortest first
+                    (`prefer_short`), identical solutions dropped (`dedupe`), at most
+                    `per_task_cap` of them
         report   <- pass@1 and pass@G of the attempts, share of tasks solved, diversity of
                     the attempts and of the kept solutions (an exploration collapse shows
                     as falling diversity while pass@1 rises)
@@ -62,6 +63,7 @@ class Attempt:
     success: bool
     key: str  # the solution's identity: the actions taken (games) or the reply text
     rows: list[Trajectory]  # what fine-tuning would imitate
+    length: int = 0  # turns taken (games) or reply tokens (single-turn): shorter wins ties
 
 
 def round_seeds(cfg: RFTConfig, round_index: int, unsolved: dict[int, int]) -> tuple[list[int], int]:
@@ -80,15 +82,16 @@ def round_seeds(cfg: RFTConfig, round_index: int, unsolved: dict[int, int]) -> t
     return revisits + fresh, len(revisits)
 
 
-def keep_solutions(attempts: list[Attempt], per_task_cap: int, dedupe: bool) -> list[Attempt]:
-    """Per task: successes, best reward first (stable), duplicates dropped, at most `per_task_cap`."""
+def keep_solutions(attempts: list[Attempt], per_task_cap: int, dedupe: bool, prefer_short: bool = True) -> list[Attempt]:
+    """Per task: successes, best reward first (then, with `prefer_short`, shortest first;
+    otherwise in sampling order), duplicates dropped, at most `per_task_cap`."""
     by_task: dict[int, list[Attempt]] = defaultdict(list)
     for a in attempts:
         if a.success:
             by_task[a.seed].append(a)
     kept = []
     for seed, wins in by_task.items():
-        wins = sorted(wins, key=lambda a: -a.reward)
+        wins = sorted(wins, key=lambda a: (-a.reward, a.length if prefer_short else 0))
         if dedupe:
             seen, unique = set(), []
             for a in wins:
@@ -127,7 +130,7 @@ def sample_attempts(policy, pool: EnvPool, cfg: RFTConfig, seeds: list[int], gen
         attempts = []
         for e in ero.episodes:
             rows = [r for r in e.rows() if not (rc.drop_invalid_turns and r.info["invalid"])]
-            attempts.append(Attempt(e.seed, e.total_reward, e.won, " | ".join(t.action for t in e.turns), rows))
+            attempts.append(Attempt(e.seed, e.total_reward, e.won, " | ".join(t.action for t in e.turns), rows, len(e.turns)))
         n = len(ero.episodes)
         metrics = {
             "episode/success_rate": sum(e.won for e in ero.episodes) / n,
@@ -136,7 +139,7 @@ def sample_attempts(policy, pool: EnvPool, cfg: RFTConfig, seeds: list[int], gen
         }
         return attempts, metrics
     ro = rollout(policy, pool, seeds, rc.group_size, sampling, gen, system_prompt)
-    return [Attempt(t.seed, t.reward, t.success, t.completion_text.strip(), [t]) for t in ro.trajectories], {}
+    return [Attempt(t.seed, t.reward, t.success, t.completion_text.strip(), [t], t.num_action_tokens) for t in ro.trajectories], {}
 
 
 def _row_record(r: Trajectory) -> dict:
@@ -187,8 +190,9 @@ def train(cfg: RFTConfig, out: Path, resume: bool = False, progress: Progress | 
         attempts, episode_metrics = sample_attempts(policy, pool, cfg, seeds, gen, multi_turn)
         t1 = time.perf_counter()
 
-        kept = keep_solutions(attempts, rc.per_task_cap, rc.dedupe)
-        solved = {a.seed for a in attempts if a.success}
+        kept = keep_solutions(attempts, rc.per_task_cap, rc.dedupe, rc.prefer_short)
+        wins = [a for a in attempts if a.success]
+        solved = {a.seed for a in wins}
         for s in seeds:
             if s in solved:
                 unsolved.pop(s, None)
@@ -212,6 +216,8 @@ def train(cfg: RFTConfig, out: Path, resume: bool = False, progress: Progress | 
             "rft/kept": len(kept),
             "rft/kept_rows": len(new_rows),
             "rft/kept_tasks": len({a.seed for a in kept}),
+            "rft/kept_len_mean": sum(a.length for a in kept) / len(kept) if kept else float("nan"),
+            "rft/success_len_mean": sum(a.length for a in wins) / len(wins) if wins else float("nan"),
             "rft/buffer_rows": len(buffer),
             "rft/revisits": n_revisit,
             "rft/revisits_solved": sum(s in solved for s in seeds[:n_revisit]),
