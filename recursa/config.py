@@ -178,6 +178,18 @@ class InitConfig(_Section):
         return self
 
 
+class RecipeBase(_Section):
+    """The sections every recipe has; each recipe's model adds its own (train, algo, ...)."""
+
+    init: InitConfig = Field(default_factory=InitConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    agent: AgentConfig = Field(default_factory=AgentConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    run: RunConfig = Field(default_factory=RunConfig)
+
+
 def _check_test_looks(cfg, steps: int) -> None:
     """With gating on, every test-split evaluation after training starts is a recorded look;
     a config that would look more often than gate.max_test_looks is refused up front."""
@@ -191,20 +203,13 @@ def _check_test_looks(cfg, steps: int) -> None:
         )
 
 
-class GRPOConfig(_Section):
+class GRPOConfig(RecipeBase):
     """The GRPO-family recipe (`recursa/recipes/grpo.py`)."""
 
     recipe: Literal["grpo"] = "grpo"
-    init: InitConfig = Field(default_factory=InitConfig)
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    env: EnvConfig = Field(default_factory=EnvConfig)
-    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
-    agent: AgentConfig = Field(default_factory=AgentConfig)
     algo: AlgoConfig = Field(default_factory=AlgoConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
-    eval: EvalConfig = Field(default_factory=EvalConfig)
     gate: GateSettings = Field(default_factory=GateSettings)
-    run: RunConfig = Field(default_factory=RunConfig)
 
     @model_validator(mode="after")
     def _check(self) -> "GRPOConfig":
@@ -291,24 +296,17 @@ class SkillsConfig(_Section):
     )
 
 
-class RSIPOConfig(_Section):
+class RSIPOConfig(RecipeBase):
     """The RSIPO recipe (`recursa/recipes/rsipo.py`): GRPO plus skills written by the policy,
     a self-teacher conditioned on them, and calibrated trust in that teacher."""
 
     recipe: Literal["rsipo"] = "rsipo"
-    init: InitConfig = Field(default_factory=InitConfig)
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    env: EnvConfig = Field(default_factory=EnvConfig)
-    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
-    agent: AgentConfig = Field(default_factory=AgentConfig)
     algo: AlgoConfig = Field(default_factory=AlgoConfig)
     teacher: TeacherConfig = Field(default_factory=TeacherConfig)
     trust: TrustSettings = Field(default_factory=TrustSettings)
     skills: SkillsConfig = Field(default_factory=SkillsConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
-    eval: EvalConfig = Field(default_factory=EvalConfig)
     gate: GateSettings = Field(default_factory=GateSettings)
-    run: RunConfig = Field(default_factory=RunConfig)
 
     @model_validator(mode="after")
     def _check(self) -> "RSIPOConfig":
@@ -351,18 +349,13 @@ class DataConfig(_Section):
         return self
 
 
-class SFTConfig(_Section):
+class SFTConfig(RecipeBase):
     """Supervised fine-tuning on demonstrations (`recursa/recipes/sft.py`)."""
 
     recipe: Literal["sft"] = "sft"
-    init: InitConfig = Field(default_factory=InitConfig)
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    env: EnvConfig = Field(default_factory=EnvConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="completion cap and stop strings of the evaluations")
-    agent: AgentConfig = Field(default_factory=AgentConfig)
     train: SupervisedConfig = Field(default_factory=SupervisedConfig)
-    eval: EvalConfig = Field(default_factory=EvalConfig)
     run: RunConfig = Field(default_factory=RunConfig)
 
 
@@ -381,20 +374,13 @@ class ExpertIterationConfig(_Section):
     drop_invalid_turns: bool = Field(True, description="games: do not imitate turns whose action was invalid (they did not change the game)")
 
 
-class RFTConfig(_Section):
+class RFTConfig(RecipeBase):
     """Expert iteration / rejection-sampling fine-tuning (`recursa/recipes/rft.py`)."""
 
     recipe: Literal["rft"] = "rft"
-    init: InitConfig = Field(default_factory=InitConfig)
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    env: EnvConfig = Field(default_factory=EnvConfig)
-    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
-    agent: AgentConfig = Field(default_factory=AgentConfig)
     rft: ExpertIterationConfig = Field(default_factory=ExpertIterationConfig)
     train: SupervisedConfig = Field(default_factory=lambda: SupervisedConfig(epochs=1))
-    eval: EvalConfig = Field(default_factory=EvalConfig)
     gate: GateSettings = Field(default_factory=GateSettings)
-    run: RunConfig = Field(default_factory=RunConfig)
 
     @model_validator(mode="after")
     def _check(self) -> "RFTConfig":
