@@ -174,6 +174,26 @@ def update(
     return out
 
 
+def update_metrics(st: UpdateStats, rows: list[Trajectory], n_batch: int, cfg, opt_step: int) -> dict:
+    """The update's metrics (loss/policy, policy/*) and the sampled completions' (completion/*);
+    `n_batch` rows were in the update's batch, `opt_step` counts optimizer steps so far."""
+    lengths = torch.tensor([t.num_action_tokens for t in rows], dtype=torch.float32)
+    return {
+        "loss/policy": st.loss,
+        "policy/kl": st.kl,
+        "policy/approx_kl_old": st.approx_kl_old,
+        "policy/clip_frac": st.clip_frac,
+        "policy/ratio_max": st.ratio_max,
+        "policy/entropy": st.entropy,
+        "batch/rows_run_frac": st.rows_run / max(n_batch * cfg.train.epochs, 1),
+        "policy/grad_norm": st.grad_norm,
+        "policy/lr": lr_at(cfg, opt_step - 1),
+        "completion/len_mean": lengths.mean().item(),
+        "completion/len_max": lengths.max().item(),
+        "completion/truncated_frac": sum(t.finish_reason == "length" for t in rows) / len(rows),
+    }
+
+
 def episode_rows(episodes: list[Episode], advantages: torch.Tensor, cfg: GRPOConfig) -> tuple[list[Trajectory], torch.Tensor, dict]:
     """One training row per turn, its advantage = the episode's group advantage
     (`advantages  # (B, G)`, broadcast over every action token of every turn) plus, with
@@ -283,18 +303,7 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
             "reward/zero_std_groups": zero_var.item(),
             "advantage/abs_mean": advantages.abs().mean().item(),
             "budget/episodes": (step + 1) * B * G,
-            "loss/policy": st.loss,
-            "policy/kl": st.kl,
-            "policy/approx_kl_old": st.approx_kl_old,
-            "policy/clip_frac": st.clip_frac,
-            "policy/ratio_max": st.ratio_max,
-            "policy/entropy": st.entropy,
-            "batch/rows_run_frac": st.rows_run / max(len(trajs) * cfg.train.epochs, 1),
-            "policy/grad_norm": st.grad_norm,
-            "policy/lr": lr_at(cfg, opt_step - 1),
-            "completion/len_mean": lengths.mean().item(),
-            "completion/len_max": lengths.max().item(),
-            "completion/truncated_frac": sum(t.finish_reason == "length" for t in trajs) / len(trajs),
+            **update_metrics(st, trajs, len(trajs), cfg, opt_step),
             "time/rollout_s": t1 - t0,
             "time/update_s": t2 - t1,
             "time/step_s": t2 - t0,

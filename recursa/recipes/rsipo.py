@@ -76,9 +76,9 @@ from recursa.config import RSIPOConfig
 from recursa.envs import EnvPool, system_prompt_of
 from recursa.generation import SamplingParams, generate, sequence_logprobs, shared_prefix_logprobs
 from recursa.models import Policy
-from recursa.recipes.common import Progress, eval_before, lr_at, open_run, run_eval, step_generator
+from recursa.recipes.common import Progress, eval_before, open_run, run_eval, step_generator
 from recursa.recipes.gating import SkillGate, WeightsGate
-from recursa.recipes.grpo import Imitation, episode_rows, train_seeds, update
+from recursa.recipes.grpo import Imitation, episode_rows, train_seeds, update, update_metrics
 from recursa.rollout import render_prompt, rollout, rollout_episodes, with_hint
 from recursa.skills import SkillLibrary, SkillWritingStats, parse_skill, render_trajectory_for_skill, retrieve, retrieve_many, skill_writing_prompt
 from recursa.skills.writing import MARKER, ParsedSkill
@@ -680,18 +680,7 @@ def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress 
             **teacher_metrics,
             **skills.metrics,
             "budget/episodes": (step + 1) * B * G,
-            "loss/policy": st.loss,
-            "policy/kl": st.kl,
-            "policy/approx_kl_old": st.approx_kl_old,
-            "policy/clip_frac": st.clip_frac,
-            "policy/ratio_max": st.ratio_max,
-            "policy/entropy": st.entropy,
-            "batch/rows_run_frac": st.rows_run / max(len(batch) * cfg.train.epochs, 1),
-            "policy/grad_norm": st.grad_norm,
-            "policy/lr": lr_at(cfg, opt_step - 1),
-            "completion/len_mean": lengths.mean().item(),
-            "completion/len_max": lengths.max().item(),
-            "completion/truncated_frac": sum(t.finish_reason == "length" for t in rows) / len(rows),
+            **update_metrics(st, rows, len(batch), cfg, opt_step),
             "time/rollout_s": t1 - t0,
             "time/skills_s": t2 - t1,
             "time/teacher_s": t3 - t2,
