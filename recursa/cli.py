@@ -95,6 +95,7 @@ def cmd_train(args) -> int:
 def _eval_source(args):
     """(config, model config, weights dir or None, env name, env kwargs, max_new_tokens)."""
     from recursa.config import ModelConfig, load_config
+    from recursa.store import finished_checkpoints
 
     cfg = None
     weights = None
@@ -103,8 +104,7 @@ def _eval_source(args):
         if not (run_dir / "config.toml").exists():
             raise UserError(f"--run {run_dir}: no config.toml there; pass a run directory written by `recursa train`")
         cfg = load_config(run_dir / "config.toml", args.set)
-        ckpts = sorted((run_dir / "checkpoints").glob("step_*"))
-        ckpts = [c for c in ckpts if (c / "state.json").exists()]
+        ckpts = finished_checkpoints(run_dir)
         if args.checkpoint == "last":
             if not ckpts:
                 raise UserError(f"{run_dir} has no checkpoint yet; evaluate the base model with --config instead")

@@ -128,28 +128,14 @@ class RunStore:
         return self.path / "checkpoints" / f"step_{step:06d}"
 
     def save_checkpoint(self, step: int, policy, optimizer: torch.optim.Optimizer, state: dict) -> Path:
-        from recursa.models import save_weights
-
         final = self.checkpoint_dir(step)
-        tmp = final.with_name(final.name + ".tmp")
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        save_weights(policy, tmp)
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        torch.save({"torch_rng": torch.get_rng_state()}, tmp / "rng.pt")
-        (tmp / "state.json").write_text(json.dumps({"step": step, **state}, indent=1))
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)  # a checkpoint is either complete or absent
+        write_weights(final, policy, optimizer, {"step": step, **state})
         self.db.execute("INSERT OR REPLACE INTO checkpoints (step, path, created) VALUES (?,?,?)", (step, str(final.relative_to(self.path)), time.time()))
         self.db.commit()
         return final
 
     def latest_checkpoint(self) -> Path | None:
-        root = self.path / "checkpoints"
-        if not root.exists():
-            return None
-        done = sorted(p for p in root.glob("step_*") if not p.name.endswith(".tmp") and (p / "state.json").exists())
+        done = finished_checkpoints(self.path)
         return done[-1] if done else None
 
     @staticmethod
@@ -164,6 +150,33 @@ class RunStore:
     def close(self) -> None:
         self.logger.close()
         self.db.close()
+
+
+def write_weights(final: Path, policy, optimizer: torch.optim.Optimizer, state: dict | None = None) -> Path:
+    """Weights, optimizer state (and, with `state`, the RNG state and state.json) written to
+    `final` through a temporary directory: the directory is either complete or absent."""
+    from recursa.models import save_weights
+
+    tmp = final.with_name(final.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    save_weights(policy, tmp)
+    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    if state is not None:
+        torch.save({"torch_rng": torch.get_rng_state()}, tmp / "rng.pt")
+        (tmp / "state.json").write_text(json.dumps(state, indent=1))
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.rename(final)
+    return final
+
+
+def finished_checkpoints(run_dir: Path) -> list[Path]:
+    """A run's complete checkpoints (state.json written), oldest first."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.exists():
+        return []
+    return sorted(p for p in root.glob("step_*") if not p.name.endswith(".tmp") and (p / "state.json").exists())
 
 
 def _jsonable(v):

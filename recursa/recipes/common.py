@@ -20,7 +20,7 @@ from recursa.evaluate import EvalResult, evaluate
 from recursa.generation import sequence_logprobs
 from recursa.models import Policy, count_parameters, load_policy
 from recursa.rollout import is_agent_env
-from recursa.store import RunStore
+from recursa.store import RunStore, finished_checkpoints
 from recursa.trajectory import TrainBatch
 
 Progress = Callable[[str, int, int], None]  # (phase, done, total)
@@ -60,13 +60,12 @@ def init_weights_dir(cfg) -> Path | None:
     source = load_config(run / "config.toml")
     if source.model.name != cfg.model.name:
         raise UserError(f"init.from_run = {str(run)!r} trained model {source.model.name!r}, but this config uses {cfg.model.name!r}: set model.name to match")
-    root = run / "checkpoints"
-    done = sorted(p for p in root.glob("step_*") if not p.name.endswith(".tmp") and (p / "state.json").exists()) if root.exists() else []
+    done = finished_checkpoints(run)
     if not done:
         raise UserError(f"init.from_run = {str(run)!r} has no finished checkpoint yet: let that run finish (or resume it) first")
     if cfg.init.checkpoint == "last":
         return done[-1]
-    want = root / f"step_{int(cfg.init.checkpoint):06d}"
+    want = run / "checkpoints" / f"step_{int(cfg.init.checkpoint):06d}"
     if want not in done:
         raise UserError(f"init.checkpoint = {cfg.init.checkpoint}: {run} has {[p.name for p in done]}")
     return want

@@ -27,7 +27,6 @@ spending over its rounds, all recorded in the same lineage.
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable
@@ -39,9 +38,17 @@ from recursa.errors import UserError
 from recursa.evaluate import EvalResult, evaluate
 from recursa.gate import GateConfig, binary_gate, fresh_gate_seeds
 from recursa.lineage import Lineage
-from recursa.models import Policy, restore_weights, save_weights
+from recursa.models import Policy, restore_weights
 from recursa.stats import paired_compare
-from recursa.store import RunStore
+from recursa.store import RunStore, write_weights
+
+
+def gate_config(gc) -> GateConfig:
+    """The statistical test's settings from a config's [gate] section."""
+    return GateConfig(
+        alpha=gc.alpha, delta=gc.delta, max_regressions=gc.max_regressions, regression_rate=gc.regression_rate,
+        regression_confidence=gc.regression_confidence, spending=gc.spending,
+    )
 
 
 class WeightsGate:
@@ -53,10 +60,7 @@ class WeightsGate:
         both weights are evaluated with the run's current skill library in context)."""
         gc = cfg.gate
         self.cfg, self.store, self.pool, self.log, self.hints = cfg, store, pool, log, hints
-        self.gate_cfg = GateConfig(
-            alpha=gc.alpha, delta=gc.delta, max_regressions=gc.max_regressions, regression_rate=gc.regression_rate,
-            regression_confidence=gc.regression_confidence, spending=gc.spending,
-        )
+        self.gate_cfg = gate_config(gc)
         self.lineage = Lineage(store.db)
         self.lineage.truncate_after(start_step)  # a resumed run forgets rounds after its checkpoint
 
@@ -65,16 +69,7 @@ class WeightsGate:
         return self.store.path / "incumbents" / f"step_{step:06d}"
 
     def _save(self, step: int, policy: Policy, optimizer: torch.optim.Optimizer) -> Path:
-        final = self._dir(step)
-        tmp = final.with_name(final.name + ".tmp")
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        save_weights(policy, tmp)
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
-        return final
+        return write_weights(self._dir(step), policy, optimizer)
 
     def start(self, policy: Policy, optimizer: torch.optim.Optimizer, summary: str) -> None:
         """Record the initial weights as the root incumbent (once per run)."""
@@ -197,10 +192,7 @@ class PromptGate:
     def __init__(self, cfg, store: RunStore, pool: EnvPool, lineage: Lineage, multi_turn: bool, log: Callable[[str], None] = print):
         gc = cfg.gate
         self.cfg, self.store, self.pool, self.lineage, self.multi_turn, self.log = cfg, store, pool, lineage, multi_turn, log
-        self.gate_cfg = GateConfig(
-            alpha=gc.alpha, delta=gc.delta, max_regressions=gc.max_regressions, regression_rate=gc.regression_rate,
-            regression_confidence=gc.regression_confidence, spending=gc.spending,
-        )
+        self.gate_cfg = gate_config(gc)
         if not lineage.candidates("prompt"):
             lineage.root("prompt", _squash(self.text, 80), {"text": self.text}, step=0)
         if gc.mode == "gate":
@@ -358,10 +350,7 @@ class SkillGate:
                  log: Callable[[str], None] = print):
         gc = cfg.gate
         self.cfg, self.pool, self.lineage, self.library, self.hints, self.log = cfg, pool, lineage, library, hints, log
-        self.gate_cfg = GateConfig(
-            alpha=gc.alpha, delta=gc.delta, max_regressions=gc.max_regressions, regression_rate=gc.regression_rate,
-            regression_confidence=gc.regression_confidence, spending=gc.spending,
-        )
+        self.gate_cfg = gate_config(gc)
         self.incumbent: list[dict] = library.snapshot() if incumbent is None else incumbent
         if not lineage.candidates("skills"):
             active = library.active()
