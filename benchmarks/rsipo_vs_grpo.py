@@ -68,9 +68,27 @@ AGENT = {
         "run.threads=2",
     ],
     "rsipo": ["skills.write_per_group=1", "skills.candidates=4", "skills.max_new_tokens=24", "skills.replay_size=2", "skills.replay_turns=2"],
-    "steps": 4,
-    "eval_n": 16,
-    "eval_every": 2,
+    "steps": 6,
+    "eval_n": 20,
+    "eval_every": 3,
+}
+# The GPU setting: the same game and warm start at a budget a CUDA GPU makes affordable,
+# 25 steps x 8 games x 8 episodes = 1600 episodes per run, 200 test games per evaluation.
+# Not yet run (no GPU was lent to the session that wrote it): an estimate of ~10-15 min per
+# run on one H200 from the CPU profile, so ~2 h for grpo, rsipo, opsd and opid x 3 seeds.
+GPU = {
+    "env": "twx:twc",
+    "sets": [
+        *(s for s in AGENT["sets"] if not s.startswith(("train.prompts_per_step=", "train.group_size=", "train.micro_batch_size=", "run.threads="))),
+        "model.device=cuda",
+        "train.prompts_per_step=8",
+        "train.group_size=8",
+        "train.micro_batch_size=64",
+    ],
+    "rsipo": ["skills.write_per_group=2", "skills.candidates=4", "skills.max_new_tokens=32", "skills.replay_size=4", "skills.replay_turns=2"],
+    "steps": 25,
+    "eval_n": 200,
+    "eval_every": 5,
 }
 TINY = {
     "env": "toy-corridor",
@@ -148,8 +166,6 @@ def worker(spec: dict) -> None:
 def run_one(name: str, seed: int, args, setting: dict, before: bool) -> dict:
     recipe, extra = recipe_spec(name, setting)
     out = Path(args.runs_dir) / f"{name}_seed{seed}"
-    if out.exists():
-        shutil.rmtree(out)
     steps = args.steps or setting["steps"]
     eval_n = args.eval_n or setting["eval_n"]
     sets = [
@@ -159,15 +175,23 @@ def run_one(name: str, seed: int, args, setting: dict, before: bool) -> dict:
         f"eval.before={'true' if before else 'false'}", "eval.after=true", "run.checkpoint_every=0",
     ]
     spec = {"recipe": recipe, "sets": sets, "out": str(out), "tiny": args.tiny}
-    t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], cwd=REPO, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    (Path(args.runs_dir) / f"{name}_seed{seed}.log").write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0:
-        raise SystemExit(f"{name} seed {seed} failed (exit {proc.returncode}); log: {args.runs_dir}/{name}_seed{seed}.log\n{proc.stderr[-2000:]}")
-    if not args.keep_checkpoints:
-        shutil.rmtree(out / "checkpoints", ignore_errors=True)
-        shutil.rmtree(out / "incumbents", ignore_errors=True)
+    done_file = out / "bench.json"  # written last: its presence means the run finished
+    if args.reuse and done_file.exists() and json.loads(done_file.read_text())["spec"] == spec:
+        wall = json.loads(done_file.read_text())["wall_s"]
+        print(f"{name:>10} seed {seed}: reusing the finished run in {out}", flush=True)
+    else:
+        if out.exists():
+            shutil.rmtree(out)
+        t0 = time.perf_counter()
+        proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], cwd=REPO, capture_output=True, text=True)
+        wall = time.perf_counter() - t0
+        (Path(args.runs_dir) / f"{name}_seed{seed}.log").write_text(proc.stdout + proc.stderr)
+        if proc.returncode != 0:
+            raise SystemExit(f"{name} seed {seed} failed (exit {proc.returncode}); log: {args.runs_dir}/{name}_seed{seed}.log\n{proc.stderr[-2000:]}")
+        if not args.keep_checkpoints:
+            shutil.rmtree(out / "checkpoints", ignore_errors=True)
+            shutil.rmtree(out / "incumbents", ignore_errors=True)
+        done_file.write_text(json.dumps({"spec": spec, "wall_s": wall}) + "\n")
     B, G = _setting_value(setting, "train.prompts_per_step"), _setting_value(setting, "train.group_size")
     curve = []
     for path in sorted((out / "eval").glob("*.json")):
@@ -176,7 +200,45 @@ def run_one(name: str, seed: int, args, setting: dict, before: bool) -> dict:
         curve.append([done * B * G, data["success_rate"]])
     after = json.loads((out / "eval" / "after.json").read_text())
     print(f"{name:>10} seed {seed}: held-out success {after['success_rate']:.3f} after {steps * B * G} episodes ({wall:.0f} s)", flush=True)
-    return {"seed": seed, "heldout": after, "curve": sorted(curve), "wall_s": wall, "run_dir": str(out)}
+    return {"seed": seed, "heldout": after, "curve": sorted(curve), "wall_s": wall, "run_dir": str(out), "diagnostics": diagnostics(out)}
+
+
+# what the teacher and the skills did in a run: the step means of these metrics (NaN steps skipped)
+DIAGNOSTICS = (
+    "reward/mean", "teacher/share", "teacher/corr_delta_adv", "teacher/delta_abs_mean", "teacher/trust_applied_mean",
+    "trust/mean", "trust/agreement", "trust/trials", "skills/admitted", "skills/replay_reward_mean", "skills/len_words_mean",
+)
+
+
+def diagnostics(run_dir: Path) -> dict:
+    """Step means of DIAGNOSTICS from a run's metrics.jsonl, its final library size and a few of
+    the skills it wrote (newest first), read from its ledger."""
+    import sqlite3
+
+    from recursa.report import load_metrics
+
+    rows = load_metrics(run_dir / "metrics.jsonl")
+    out: dict = {}
+    for key in DIAGNOSTICS:
+        values = [r[key] for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+        if values:
+            out[key] = sum(values) / len(values)
+    sizes = [r["skills/library_size"] for r in rows if "skills/library_size" in r]
+    if sizes:
+        out["skills/library_size_final"] = sizes[-1]
+    ledger = run_dir / "ledger.sqlite"
+    if ledger.exists():
+        con = sqlite3.connect(ledger)
+        try:
+            out["skills_sample"] = [
+                {"text": t, "outcome": o, "step": st, "replay_reward": r}
+                for t, o, st, r in con.execute("SELECT text, source_outcome, created_step, replay_reward FROM skills ORDER BY id DESC LIMIT 5")
+            ]
+        except sqlite3.OperationalError:  # a run without a skills table
+            pass
+        finally:
+            con.close()
+    return out
 
 
 def _setting_value(setting: dict, key: str) -> int:
@@ -207,7 +269,8 @@ def summarise(result: dict) -> str:
         "",
         f"Budget per run: {result['budget']['episodes']} training episodes ({result['budget']['steps']} steps x "
         f"{result['budget']['prompts_per_step']} tasks x {result['budget']['group_size']} episodes); held-out success on "
-        f"{result['budget']['eval_n']} test games (greedy), {len(result['seeds'])} seeds.",
+        f"{result['budget']['eval_n']} test games (greedy); training seeds {result['seeds']}"
+        + (f" (ablations: {result['ablation_seeds']})" if result.get("ablation_seeds", result["seeds"]) != result["seeds"] else "") + ".",
         "",
         "| recipe | final held-out success, mean over seeds [95% t-interval] | per seed | pooled k/n [Wilson 95%] | vs grpo, paired over pooled items | s per run |",
         "|---|---|---|---|---|---:|",
@@ -232,6 +295,17 @@ def summarise(result: dict) -> str:
         lines.append(f"| {name} | {mean:.3f} [{lo:.3f}, {hi:.3f}] | {per_seed} | {k}/{n} [{wl:.3f}, {wh:.3f}] | {versus} | {wall:.0f} |")
     lines += ["", "Pooled items treat the seeds' test games as independent (the same games are replayed by every seed); "
               "the t-interval over seeds is the honest one with few seeds.", ""]
+    shown = [k for k in DIAGNOSTICS if any(k in s.get("diagnostics", {}) for e in result["recipes"].values() for s in e["seeds"])]
+    if shown:
+        lines += ["What the teacher and the skills did (mean over steps, then over seeds):", "",
+                  "| recipe | " + " | ".join(shown) + " |", "|---|" + "---:|" * len(shown)]
+        for name, entry in result["recipes"].items():
+            cells = []
+            for key in shown:
+                values = [s["diagnostics"][key] for s in entry["seeds"] if key in s.get("diagnostics", {})]
+                cells.append(f"{sum(values) / len(values):.3f}" if values else "-")
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -272,29 +346,33 @@ def plot(result: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="tiny random model on toy-corridor (checks the script; seconds per run)")
+    p.add_argument("--gpu", action="store_true", help="the GPU setting: the same game at 1600 episodes per run, 200 test games (needs a CUDA GPU)")
     p.add_argument("--recipes", default="grpo,rsipo", help=f"comma-separated: grpo, rsipo, {', '.join(ABLATIONS)}, or all")
     p.add_argument("--seeds", default="0,1,2", help="training seeds (>= 3 for an interval worth reading)")
+    p.add_argument("--ablation-seeds", help="training seeds of the recipes other than grpo and rsipo (default: --seeds)")
     p.add_argument("--steps", type=int, help="training steps per run (default: the setting's)")
     p.add_argument("--eval-n", type=int, help="held-out games per evaluation (default: the setting's)")
     p.add_argument("--eval-every", type=int, help="evaluate every N steps, besides before and after (default: the setting's)")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"), help="where the JSON, table and plot go")
     p.add_argument("--runs-dir", help="run directories (default: runs/rsipo_vs_grpo[_tiny])")
     p.add_argument("--keep-checkpoints", action="store_true", help="keep each run's checkpoints (large for the 135M model)")
+    p.add_argument("--reuse", action="store_true", help="reuse a finished run whose settings are identical (add recipes or seeds to a finished benchmark)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         worker(json.loads(args.worker))
         return 0
 
-    setting = TINY if args.tiny else AGENT
+    setting = TINY if args.tiny else GPU if args.gpu else AGENT
     names = ["grpo", "rsipo", *ABLATIONS] if args.recipes == "all" else [r.strip() for r in args.recipes.split(",") if r.strip()]
     for name in names:
         recipe_spec(name, setting)  # fail fast on an unknown name
     seeds = [int(s) for s in args.seeds.split(",")]
+    ablation_seeds = [int(s) for s in args.ablation_seeds.split(",")] if args.ablation_seeds else seeds
     if not args.tiny and not (REPO / "runs" / "twx_twc_sft" / "config.toml").exists():
         print("error: the warm start runs/twx_twc_sft is missing: train it first, recursa train examples/twx_twc_sft.toml", file=sys.stderr)
         return 2
-    args.runs_dir = args.runs_dir or str(REPO / "runs" / ("rsipo_vs_grpo_tiny" if args.tiny else "rsipo_vs_grpo"))
+    args.runs_dir = args.runs_dir or str(REPO / "runs" / ("rsipo_vs_grpo_tiny" if args.tiny else "rsipo_vs_grpo_gpu" if args.gpu else "rsipo_vs_grpo"))
     Path(args.runs_dir).mkdir(parents=True, exist_ok=True)
     steps = args.steps or setting["steps"]
     B, G = _setting_value(setting, "train.prompts_per_step"), _setting_value(setting, "train.group_size")
@@ -303,12 +381,15 @@ def main(argv: list[str] | None = None) -> int:
         "budget": {"steps": steps, "prompts_per_step": B, "group_size": G, "episodes": steps * B * G, "eval_n": args.eval_n or setting["eval_n"],
                    "eval_every": args.eval_every or setting["eval_every"], "model": next(s.split("=", 1)[1] for s in setting["sets"] if s.startswith("model.name="))},
         "seeds": seeds,
+        "ablation_seeds": ablation_seeds,
         "settings": setting["sets"],
         "recipes": {},
     }
     before = None  # the starting point is the same for every run: evaluate it once
     for seed in seeds:  # seeds outermost, recipes alternating: slow drift of a shared machine hits all alike
         for name in names:
+            if name not in ("grpo", "rsipo") and seed not in ablation_seeds:
+                continue
             entry = run_one(name, seed, args, setting, before is None)
             if before is None:
                 before = next(y for x, y in entry["curve"] if x == 0)
