@@ -9,6 +9,7 @@ step generates B x G completions and then takes exactly one optimizer step on th
     python benchmarks/vs_trl.py --settings short --steps 3 --repeats 1
     python benchmarks/vs_trl.py --smoke                      # tiny random model, CI
     python benchmarks/vs_trl.py --recursa-only               # no TRL needed
+    python benchmarks/vs_trl.py --device cuda                # both frameworks on the GPU
 
 Every (setting, framework, repeat) run is its own subprocess (fresh interpreter, fresh
 model), so the peak resident memory of each framework is measured on its own. Runs
@@ -69,7 +70,7 @@ COMMON = {
     "advantage": "grpo (group mean / unbiased group std)",
     "loss_agg": "token-mean over the whole batch",
     "dtype": "float32",
-    "device": "cpu",
+    "device": "cpu",  # --device cuda: both frameworks on the GPU (recursa model.device, TRL use_cpu=False)
 }
 
 
@@ -185,6 +186,7 @@ def recursa_config(spec: dict, model_dir: str, steps: int):
         "train.old_logprobs": "recompute",
         "train.seed": COMMON["seed"],
         "run.threads": THREADS,
+        "model.device": spec.get("device", COMMON["device"]),
     }
     items = [f"{k}={json.dumps(v)}" for k, v in overrides.items()]
     items += [f"env.kwargs={{difficulty = {COMMON['difficulty']}}}", f"train.betas={json.dumps(COMMON['betas'])}"]
@@ -206,6 +208,15 @@ def peak_rss_mb() -> float:
 
     kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return kb / (1024 * 1024) if sys.platform == "darwin" else kb / 1024
+
+
+def peak_gpu_mb() -> float | None:
+    """Peak GPU memory torch allocated in this process (MB), or None without CUDA in use."""
+    import torch
+
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return None
+    return torch.cuda.max_memory_allocated() / 2**20
 
 
 def param_counts(model) -> dict:
@@ -232,19 +243,32 @@ def generation_flops(params: dict, body_positions: int, head_positions: int) -> 
     return 2.0 * (params["body"] * body_positions + params["head"] * head_positions)
 
 
-def matmul_gflops(n: int = 2048, reps: int = 5) -> dict:
-    """fp32 n x n @ n x n rate with torch on THREADS threads: best and median of `reps`."""
+def matmul_gflops(n: int = 2048, reps: int = 5, device: str = "cpu") -> dict:
+    """fp32 n x n @ n x n rate with torch on THREADS threads (or on the GPU, with torch's
+    default full-fp32 matmul precision): best and median of `reps`."""
     import torch
 
     torch.set_num_threads(THREADS)
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    if device != "cpu":
+        n, reps = 8192, 10  # enough work per product to time a GPU
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
     a @ b  # warm-up
+    _sync(device)
     rates = []
     for _ in range(reps):
         t = time.perf_counter()
         a @ b
+        _sync(device)
         rates.append(2 * n**3 / (time.perf_counter() - t) / 1e9)
-    return {"n": n, "reps": reps, "best_gflops": max(rates), "median_gflops": statistics.median(rates)}
+    return {"n": n, "reps": reps, "device": device, "best_gflops": max(rates), "median_gflops": statistics.median(rates)}
+
+
+def _sync(device: str) -> None:
+    """Wait for the GPU's queued work, so that wall-clock timers measure it."""
+    if device != "cpu":
+        import torch
+
+        torch.cuda.synchronize()
 
 
 # ----------------------------------------------------------------------------- child: recursa
@@ -263,6 +287,7 @@ def child_recursa(spec: dict, model_dir: str, steps: int) -> dict:
     from recursa.trajectory import collate
 
     cfg = recursa_config(spec, model_dir, steps)
+    device = cfg.model.device
     torch.manual_seed(cfg.train.seed)
     policy = load_policy(cfg.model)
     params = param_counts(policy.causal_lm)
@@ -285,13 +310,15 @@ def child_recursa(spec: dict, model_dir: str, steps: int) -> dict:
         gen = step_generator(cfg.train.seed, step)
         seeds = train_seeds(cfg, step)
         ro = rollout(policy, envs, seeds, G, sampling, gen, cfg.model.system_prompt or None)
+        _sync(device)
         t1 = time.perf_counter()
         trajs = ro.trajectories
         rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32).view(B, G)
         advantages = compute_advantages(cfg.algo.advantage, rewards)
-        batch = collate(trajs, advantages.view(-1), policy.tokenizer.pad_token_id)
+        batch = collate(trajs, advantages.view(-1), policy.tokenizer.pad_token_id, policy.device)
         st = update(policy, optimizer, batch, cfg, gen, opt_step)
         opt_step += st.opt_steps
+        _sync(device)
         t2 = time.perf_counter()
 
         completion = sum(t.num_action_tokens for t in trajs)
@@ -312,7 +339,7 @@ def child_recursa(spec: dict, model_dir: str, steps: int) -> dict:
         rec.setdefault("update_flops_naive", []).append(update_flops(params, prompt + completion, completion))
         rec["update_flops"].append(update_flops(params, unique_prompt + completion, completion))
         rec["threads"].append(torch.get_num_threads())
-    rec.update(framework="recursa", n_sequences=B * G, params=params, init_s=init_s, peak_rss_mb=peak_rss_mb())
+    rec.update(framework="recursa", n_sequences=B * G, params=params, init_s=init_s, peak_rss_mb=peak_rss_mb(), peak_gpu_mb=peak_gpu_mb())
     return rec
 
 
@@ -356,7 +383,7 @@ def trl_config_kwargs(spec: dict, steps: int, output_dir: str) -> dict:
         "optim": "adamw_torch_fused",  # the same fused CPU AdamW kernel recursa uses
         "max_grad_norm": COMMON["max_grad_norm"],
         # precision / device / overheads
-        "use_cpu": True,
+        "use_cpu": spec.get("device", COMMON["device"]) == "cpu",
         "bf16": False,
         "fp16": False,
         "gradient_checkpointing": False,
@@ -381,6 +408,7 @@ def child_trl(spec: dict, model_dir: str, steps: int) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     hf_logging.set_verbosity_error()
+    device = spec.get("device", COMMON["device"])
     torch.manual_seed(COMMON["seed"])
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -417,9 +445,11 @@ def child_trl(spec: dict, model_dir: str, steps: int) -> dict:
             self._t0 = 0.0
 
         def on_step_begin(self, args, state, control, **kwargs):
+            _sync(device)
             self._t0 = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
+            _sync(device)
             self.step_s.append(time.perf_counter() - self._t0)
             self.threads.append(torch.get_num_threads())
 
@@ -433,8 +463,10 @@ def child_trl(spec: dict, model_dir: str, steps: int) -> dict:
         """GRPOTrainer that also records how long generation + scoring takes (no other change)."""
 
         def _generate_and_score_completions(self, inputs):
+            _sync(device)
             t = time.perf_counter()
             out = super()._generate_and_score_completions(inputs)
+            _sync(device)
             rollout_s.append(time.perf_counter() - t)
             return out
 
@@ -472,7 +504,7 @@ def child_trl(spec: dict, model_dir: str, steps: int) -> dict:
         # keeps decoding (padding after EOS) until the longest one stops.
         rec["gen_flops"].append(generation_flops(params, p + n * max(cmax - 1, 0), n * cmax))
         rec["update_flops"].append(update_flops(params, p + c, c))
-    rec.update(framework="trl", n_sequences=n, params=params, init_s=init_s, peak_rss_mb=peak_rss_mb())
+    rec.update(framework="trl", n_sequences=n, params=params, init_s=init_s, peak_rss_mb=peak_rss_mb(), peak_gpu_mb=peak_gpu_mb())
     return rec
 
 
@@ -514,6 +546,7 @@ def summarise(runs: list[dict], peak_gflops: float) -> dict:
         "init_s": _median([r["init_s"] for r in runs]),
         "peak_rss_mb": max(r["peak_rss_mb"] for r in runs),
         "peak_rss_mb_all": [r["peak_rss_mb"] for r in runs],
+        "peak_gpu_mb": max((r["peak_gpu_mb"] for r in runs if r.get("peak_gpu_mb") is not None), default=None),
         "threads": sorted({t for r in runs for t in r["threads"]}),
         "params": runs[0]["params"],
         "mean_prompt_tokens": statistics.mean(p / n_seq for r in runs for p in r["prompt_tokens"]),
@@ -551,6 +584,7 @@ def markdown(results: dict) -> str:
         "# recursa vs TRL: one GRPO step",
         "",
         f"torch {m['torch']}, transformers {m['transformers']}, trl {m['trl'] or 'not installed'}, {m['threads']} threads, "
+        f"device {m.get('device', 'cpu')}{' (' + m['gpu'] + ')' if m.get('gpu') else ''}, "
         f"fp32 matmul {m['matmul_gflops']:.1f} GFLOP/s (best of start/end), model `{results['model']}`, "
         f"{results['steps']} steps x {results['repeats']} repeat(s).",
         "",
@@ -656,6 +690,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny random model, 2 steps, short setting, tiny lengths (CI)")
     ap.add_argument("--recursa-only", action="store_true", help="measure only recursa (TRL not needed)")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds allowed for one run")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where both frameworks train (default cpu; cuda: recursa model.device, TRL use_cpu=False)")
     ap.add_argument("--_child", choices=FRAMEWORKS, help=argparse.SUPPRESS)
     ap.add_argument("--_spec", help=argparse.SUPPRESS)
     ap.add_argument("--_model-dir", dest="model_dir", help=argparse.SUPPRESS)
@@ -673,14 +708,14 @@ def main(argv: list[str] | None = None) -> int:
         print("TRL is not installed: `pip install -e .[bench]` (trl==1.16.0), or pass --recursa-only.", file=sys.stderr)
         return 2
     if a.smoke:
-        settings = {"short": dict(SMOKE_SETTING)}
+        settings = {"short": dict(SMOKE_SETTING, device=a.device)}
         steps, repeats, model = a.steps or 2, a.repeats or 1, a.model or "tiny-random"
     else:
         names = [s.strip() for s in a.settings.split(",") if s.strip()]
         unknown = [s for s in names if s not in SETTINGS]
         if unknown or not names:
             ap.error(f"unknown setting(s) {unknown}; choose from {list(SETTINGS)}")
-        settings = {s: dict(SETTINGS[s]) for s in names}
+        settings = {s: dict(SETTINGS[s], device=a.device) for s in names}
         steps, repeats, model = a.steps or 10, a.repeats or 3, a.model or "smollm2-135m-instruct"
     if steps < 2:
         ap.error("--steps must be >= 2 (the first step is reported separately as warm-up)")
@@ -691,8 +726,11 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(THREADS)
-    mm_start = matmul_gflops()
-    print(f"fp32 matmul: {mm_start['best_gflops']:.1f} GFLOP/s on {THREADS} threads", flush=True)
+    if a.device == "cuda" and not torch.cuda.is_available():
+        print(f"--device cuda: torch {torch.__version__} sees no CUDA GPU", file=sys.stderr)
+        return 2
+    mm_start = matmul_gflops(device=a.device)
+    print(f"fp32 matmul: {mm_start['best_gflops']:.1f} GFLOP/s on {a.device if a.device != 'cpu' else f'{THREADS} threads'}", flush=True)
     runs: dict[str, dict[str, list]] = {s: {fw: [] for fw in frameworks} for s in settings}
     with tempfile.TemporaryDirectory(prefix="vs_trl_model_") as tmp:
         model_dir = prepare_model_dir(model, Path(tmp))
@@ -703,8 +741,9 @@ def main(argv: list[str] | None = None) -> int:
                     rec = run_child(fw, spec, model_dir, steps, a.timeout)
                     runs[name][fw].append(rec)
                     times = ", ".join(f"{x:.2f}" for x in rec["step_s"])
-                    print(f"[repeat {rep + 1}/{repeats}] {name:5s} {fw:7s} s/step: {times}  reward: {', '.join(f'{x:.2f}' for x in rec['reward'])}  peak RSS {rec['peak_rss_mb']:.0f} MB", flush=True)
-    mm_end = matmul_gflops()
+                    print(f"[repeat {rep + 1}/{repeats}] {name:5s} {fw:7s} s/step: {times}  reward: {', '.join(f'{x:.2f}' for x in rec['reward'])}  peak RSS {rec['peak_rss_mb']:.0f} MB"
+                          + (f", peak GPU {rec['peak_gpu_mb']:.0f} MB" if rec.get("peak_gpu_mb") is not None else ""), flush=True)
+    mm_end = matmul_gflops(device=a.device)
     peak = max(mm_start["best_gflops"], mm_end["best_gflops"])
 
     results: dict = {
@@ -718,6 +757,8 @@ def main(argv: list[str] | None = None) -> int:
             "matmul_start": mm_start,
             "matmul_end": mm_end,
             "threads": THREADS,
+            "device": a.device,
+            "gpu": torch.cuda.get_device_name(0) if a.device == "cuda" else None,
             "cpu_count": os.cpu_count(),
             "platform": platform.platform(),
             "python": platform.python_version(),
@@ -725,7 +766,7 @@ def main(argv: list[str] | None = None) -> int:
         },
     }
     for name, spec in settings.items():
-        res: dict = {"settings": {**spec, **COMMON, "steps": steps, "repeats": repeats, "model": model, "trl_config": trl_config_kwargs(spec, steps, "<tmp>") if with_trl else None}}
+        res: dict = {"settings": {**COMMON, **spec, "steps": steps, "repeats": repeats, "model": model, "trl_config": trl_config_kwargs(spec, steps, "<tmp>") if with_trl else None}}
         for fw in frameworks:
             res[fw] = summarise(runs[name][fw], peak)
         if not with_trl:

@@ -48,7 +48,18 @@ class LoraSettings(_Section):
 
 class ModelConfig(_Section):
     name: str = Field("smollm2-135m-instruct", description="'smollm2-135m-instruct' (embedded), 'tiny-random', a local HF directory or a hub id")
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="parameter dtype (float32 on CPU)")
+    device: str = Field(
+        "auto",
+        pattern=r"^(auto|cpu|cuda|cuda:\d+)$",
+        description="where the model and every tensor it reads run: 'auto' ($RECURSA_DEVICE if set, else 'cuda' when torch sees a GPU, else 'cpu'), "
+        "'cpu', 'cuda' or 'cuda:N'; weights are built and loaded on the CPU and then moved, and checkpoints are device-independent",
+    )
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="parameter dtype, float32 on every device by default: AdamW moves a weight by about lr per step, and a bfloat16 weight "
+        "rounds away any step under 0.2-0.4% of itself (at lr ~1e-5, most of them); bfloat16 halves memory and speeds up a GPU's matmuls, "
+        "for models too large for float32 or with a larger lr",
+    )
     lora: LoraSettings | None = Field(None, description="set a [model.lora] table to train LoRA adapters instead of all weights")
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig, description="shape of 'tiny-random'")
     system_prompt: str | None = Field("You are a helpful assistant.", description="system message for every prompt; empty string for none")

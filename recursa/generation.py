@@ -18,6 +18,13 @@ Log-probabilities are those of the temperature-scaled policy, log softmax(z / T)
 the full vocabulary (top-p truncation is a sampling device, not part of the policy); the
 trainer divides logits by the same T, as verl does. Greedy decoding (T = 0) reports
 log softmax(z).
+
+Devices: every tensor the model reads is made on the model's device (prompts are padded on
+the host and moved in one copy). The caller's generator (a recipe's seeded step generator)
+lives on the CPU; on the CPU the sampling uniforms come from it directly, on a GPU from a
+generator on the GPU seeded by one draw of it (`uniform_source`), so a GPU run is as seeded
+as a CPU run and the (N, V) uniforms never cross the bus. The two devices draw different
+streams: runs reproduce on the same device, not across devices.
 """
 
 from __future__ import annotations
@@ -66,15 +73,33 @@ def _new_cache(config):
         return DynamicCache()
 
 
-def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids, attention_mask), both (B, P), padded on the left."""
+def model_device(module: torch.nn.Module) -> torch.device:
+    """The device of a module's weights."""
+    return next(module.parameters()).device
+
+
+def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask), both (B, P), padded on the left, on `device` (built on the
+    host, then moved in one copy)."""
     length = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), length), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), length), dtype=torch.long)
+    ids = torch.full((len(prompts), length), pad_id, dtype=torch.long, device="cpu")
+    mask = torch.zeros((len(prompts), length), dtype=torch.long, device="cpu")
     for i, p in enumerate(prompts):
-        ids[i, length - len(p) :] = torch.tensor(p, dtype=torch.long)
+        ids[i, length - len(p) :] = torch.tensor(p, dtype=torch.long, device="cpu")
         mask[i, length - len(p) :] = 1
-    return ids, mask
+    return ids.to(device), mask.to(device)
+
+
+def uniform_source(generator: torch.Generator | None, device: torch.device):
+    """shape -> uniforms in [0, 1) on `device`, drawn from `generator` when it lives there (or
+    from torch's default generator of `device` when None), else from a generator on `device`
+    seeded by one 63-bit draw of `generator`: seeded either way, and never a host-to-device
+    copy of the draws."""
+    source = generator
+    if generator is not None and generator.device != device:
+        seed = int(torch.randint(0, 2**63 - 1, (1,), generator=generator, device=generator.device))
+        source = torch.Generator(device=device).manual_seed(seed)
+    return lambda shape: torch.rand(shape, generator=source, device=device)
 
 
 def _sample_next(logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,7 +144,8 @@ def generate(
     eos_ids = _eos_ids(tokenizer, causal_lm)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos_ids))
 
-    ids, mask = left_pad(prompts, pad_id)  # (B, P)
+    device = model_device(causal_lm)
+    ids, mask = left_pad(prompts, pad_id, device)  # (B, P)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     cache = _new_cache(causal_lm.config)
     out = base(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **{cache_kw: cache})  # fills `cache` in place
@@ -137,14 +163,15 @@ def generate(
     tokens: list[list[int]] = [[] for _ in range(total)]
     logps: list[list[float]] = [[] for _ in range(total)]
     finish = ["length"] * total
-    live = torch.arange(total)  # rows of the cache -> sample index
+    live = torch.arange(total, device=device)  # rows of the cache -> sample index
     stop_window = max((len(s) for s in params.stop), default=0)
 
     vocab = last.shape[-1]
+    draw = uniform_source(generator, device) if params.temperature > 0 else None
     for step in range(params.max_new_tokens):
         uniforms = None
-        if params.temperature > 0:  # one row per sample, live or not: draws stay aligned
-            uniforms = torch.rand((total, vocab), generator=generator)[live]
+        if draw is not None:  # one row per sample, live or not: draws stay aligned
+            uniforms = draw((total, vocab))[live]
         token, logp = _sample_next(last, params, uniforms)
         keep = []
         for row, (i, t, lp) in enumerate(zip(live.tolist(), token.tolist(), logp.tolist())):
@@ -161,10 +188,10 @@ def generate(
         if not keep or step == params.max_new_tokens - 1:
             break
         if len(keep) < len(live):
-            sel = torch.tensor(keep, dtype=torch.long)
+            sel = torch.tensor(keep, dtype=torch.long, device=device)
             cache.batch_select_indices(sel)
             live, token, mask, next_pos = live[sel], token[sel], mask[sel], next_pos[sel]
-        mask = torch.cat([mask, torch.ones((len(live), 1), dtype=mask.dtype)], dim=1)
+        mask = torch.cat([mask, torch.ones((len(live), 1), dtype=mask.dtype, device=device)], dim=1)
         out = base(
             input_ids=token[:, None],
             attention_mask=mask,
@@ -237,11 +264,11 @@ def _project(lm_head, h, targets, where, shape, temperature, chunk, with_entropy
         if with_entropy:
             with torch.no_grad():
                 ents.append(-(logp_all.exp() * logp_all).sum(-1))
-    flat = torch.cat(pieces) if pieces else h.new_zeros(0)
-    logp = torch.zeros(shape, dtype=torch.float32).index_put(where, flat)
+    flat = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.float32, device=h.device)
+    logp = torch.zeros(shape, dtype=torch.float32, device=h.device).index_put(where, flat)
     entropy = None
     if with_entropy:
-        entropy = torch.zeros(shape, dtype=torch.float32)
+        entropy = torch.zeros(shape, dtype=torch.float32, device=h.device)
         if ents:
             entropy[where] = torch.cat(ents)
     return logp, entropy
@@ -277,14 +304,16 @@ def shared_prefix_logprobs(
     base, lm_head = causal_lm.get_decoder(), causal_lm.get_output_embeddings()
     cache_kw = _cache_kwarg(base)
     n, length = input_ids.shape
+    device = input_ids.device
     first = prefix_lengths(action_mask)  # (N,)
     real = attention_mask.sum(dim=1)  # (N,)
-    keys = [tuple(input_ids[i, : int(first[i])].tolist()) for i in range(n)]
+    host_ids, host_first = input_ids.tolist(), first.tolist()  # one copy to the host to find the distinct prompts
+    keys = [tuple(host_ids[i][: host_first[i]]) for i in range(n)]
     unique: dict[tuple, int] = {}
-    row_to_prefix = torch.tensor([unique.setdefault(k, len(unique)) for k in keys], dtype=torch.long)  # (N,)
+    row_to_prefix = torch.tensor([unique.setdefault(k, len(unique)) for k in keys], dtype=torch.long, device=device)  # (N,)
     prefixes = [list(k) for k in unique]
     pad_id = 0  # any id: padded positions are masked out
-    p_ids, p_mask = left_pad(prefixes, pad_id)  # (U, P)
+    p_ids, p_mask = left_pad(prefixes, pad_id, device)  # (U, P)
     p_pos = (p_mask.cumsum(-1) - 1).clamp(min=0)
     cache = _new_cache(causal_lm.config)
     p_out = base(input_ids=p_ids, attention_mask=p_mask, position_ids=p_pos, use_cache=True, **{cache_kw: cache})
@@ -293,7 +322,7 @@ def shared_prefix_logprobs(
 
     s_len = real - first  # (N,) suffix lengths
     width = int(s_len.max())
-    offsets = torch.arange(width)
+    offsets = torch.arange(width, device=device)
     src = (first[:, None] + offsets[None, :]).clamp(max=length - 1)  # (N, S) positions in the full rows
     s_valid = offsets[None, :] < s_len[:, None]  # (N, S)
     s_ids = torch.where(s_valid, input_ids.gather(1, src), torch.full_like(src, pad_id))

@@ -14,6 +14,12 @@ Four sources, chosen by `ModelConfig.name`:
   when the machine is online.
 * any of the above with LoRA adapters through peft (``ModelConfig.lora``).
 
+The model is built and its weights loaded on the CPU, whatever torch's default device, and
+then moved to ``ModelConfig.device`` (`resolve_device`): the same seed gives the same initial
+weights (and LoRA initialisation) on every device. Checkpoints are read onto the CPU and
+record no device (safetensors; the optimizer state is saved as CPU tensors, `recursa.store`),
+so a run trained on a GPU resumes or evaluates on a CPU and back.
+
 `Policy` bundles the model with the tokenizer and knows how to switch the reference
 policy on (adapters off under LoRA, a frozen copy of the initial weights otherwise).
 """
@@ -63,6 +69,35 @@ def cache_dir() -> Path:
     return Path(os.environ.get("RECURSA_CACHE", Path.home() / ".cache" / "recursa"))
 
 
+DEVICE_ENV = "RECURSA_DEVICE"
+
+
+def resolve_device(spec: str = "auto") -> torch.device:
+    """`ModelConfig.device` -> a torch device with its index ('cuda' -> cuda:<current>).
+
+    'auto' is $RECURSA_DEVICE when set (the test suite pins 'cpu' that way), else the GPU
+    when torch sees one, else the CPU. Asking for a GPU that is not there is a user error."""
+    if spec == "auto":
+        spec = os.environ.get(DEVICE_ENV) or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(spec)
+    except RuntimeError:
+        raise UserError(f"unknown device {spec!r}: use 'auto', 'cpu', 'cuda' or 'cuda:N' (model.device, or ${DEVICE_ENV})") from None
+    if device.type == "cpu":
+        return torch.device("cpu")
+    if device.type != "cuda":
+        raise UserError(f"device {spec!r} is not supported: use 'auto', 'cpu', 'cuda' or 'cuda:N'")
+    if not torch.cuda.is_available():
+        raise UserError(
+            f"model.device = {spec!r} but torch {torch.__version__} sees no CUDA GPU: install the CUDA build of torch "
+            "(`make setup` on a machine with nvidia-smi) or set model.device = 'cpu'"
+        )
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if index >= torch.cuda.device_count():
+        raise UserError(f"model.device = {spec!r} but torch sees {torch.cuda.device_count()} GPU(s): use cuda:0 .. cuda:{torch.cuda.device_count() - 1}")
+    return torch.device("cuda", index)
+
+
 @dataclass
 class Policy:
     """A causal LM, its tokenizer, and (optionally) a frozen reference for KL."""
@@ -72,6 +107,11 @@ class Policy:
     name: str
     is_lora: bool = False
     reference: torch.nn.Module | None = field(default=None, repr=False)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the weights are: every tensor the model reads is created on (or moved to) it."""
+        return next(self.model.parameters()).device
 
     @property
     def causal_lm(self) -> torch.nn.Module:
@@ -226,14 +266,23 @@ def load_policy(cfg: "ModelConfig", weights_dir: Path | None = None, base_dir: P
     overrides the weights (this run's checkpoint: full weights, or LoRA adapters over the
     base). Under LoRA, the reference policy (adapters off) is the base after `base_dir`.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     _quiet_transformers()
     # Grouped-query attention through SDPA's own GQA support, also when a mask is given:
     # transformers otherwise copies every key/value head group per layer (`repeat_kv`),
     # which cost ~25% of an update with long shared prompts here. Same numbers (tested).
     os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
     dtype = getattr(torch, cfg.dtype)
+    device = resolve_device(cfg.device)
+    with torch.device("cpu"):  # built and loaded on the host (see the module doc), moved at the end
+        model, tokenizer, is_lora = _load_on_cpu(cfg, dtype, weights_dir, base_dir)
+    model.to(device)
+    model.config.use_cache = True
+    return Policy(model=model, tokenizer=tokenizer, name=cfg.name, is_lora=is_lora)
+
+
+def _load_on_cpu(cfg: "ModelConfig", dtype: torch.dtype, weights_dir: Path | None, base_dir: Path | None):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     if cfg.name == TINY_NAME:
         tokenizer = tiny_tokenizer()
         model = build_tiny_model(cfg, tokenizer).to(dtype)
@@ -259,7 +308,7 @@ def load_policy(cfg: "ModelConfig", weights_dir: Path | None = None, base_dir: P
         from peft import LoraConfig, PeftModel, get_peft_model
 
         if weights_dir is not None and (weights_dir / "adapter_config.json").exists():
-            model = PeftModel.from_pretrained(model, str(weights_dir), is_trainable=True)
+            model = PeftModel.from_pretrained(model, str(weights_dir), is_trainable=True, torch_device="cpu")
         else:
             lc = cfg.lora
             model = get_peft_model(
@@ -268,14 +317,13 @@ def load_policy(cfg: "ModelConfig", weights_dir: Path | None = None, base_dir: P
             )
     elif weights_dir is not None and not full_ckpt:
         raise UserError(f"no model.safetensors in {weights_dir}: is this a checkpoint directory?")
-    model.config.use_cache = True
-    return Policy(model=model, tokenizer=tokenizer, name=cfg.name, is_lora=is_lora)
+    return model, tokenizer, is_lora
 
 
 def _load_full(model: torch.nn.Module, directory: Path, name: str) -> None:
     from safetensors.torch import load_file
 
-    state = load_file(str(directory / "model.safetensors"))
+    state = load_file(str(directory / "model.safetensors"), device="cpu")  # copied onto the model's device by load_state_dict
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if k != "lm_head.weight"]
     if missing or unexpected:
@@ -291,19 +339,20 @@ def _load_into_base(model: torch.nn.Module, directory: Path, name: str) -> torch
     if (directory / "adapter_config.json").exists():
         from peft import PeftModel
 
-        return PeftModel.from_pretrained(model, str(directory)).merge_and_unload()
+        return PeftModel.from_pretrained(model, str(directory), torch_device="cpu").merge_and_unload()
     raise UserError(f"no model.safetensors or adapter_config.json in {directory}: is this a checkpoint directory?")
 
 
 def save_weights(policy: Policy, directory: Path) -> None:
-    """Save trainable weights as safetensors (adapters only under LoRA)."""
+    """Save trainable weights as safetensors (adapters only under LoRA). safetensors files
+    record no device: a checkpoint written on a GPU loads on a CPU and back."""
     directory.mkdir(parents=True, exist_ok=True)
     if policy.is_lora:
         policy.model.save_pretrained(str(directory), safe_serialization=True)
     else:
         from safetensors.torch import save_file
 
-        state = {k: v.detach().contiguous() for k, v in policy.model.state_dict().items() if k != "lm_head.weight" or not _tied(policy.model)}
+        state = {k: v.detach().cpu().contiguous() for k, v in policy.model.state_dict().items() if k != "lm_head.weight" or not _tied(policy.model)}
         save_file(state, str(directory / "model.safetensors"))
 
 
@@ -314,7 +363,7 @@ def restore_weights(policy: Policy, directory: Path) -> None:
     if policy.is_lora:
         from peft import set_peft_model_state_dict
 
-        set_peft_model_state_dict(policy.model, load_file(str(directory / "adapter_model.safetensors")))
+        set_peft_model_state_dict(policy.model, load_file(str(directory / "adapter_model.safetensors"), device="cpu"))
     else:
         _load_full(policy.model, directory, policy.name)
 

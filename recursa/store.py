@@ -9,8 +9,9 @@ RUN_DIR/
   eval/*.json          held-out evaluations (before.json, after.json, step_0010.json, ...)
   checkpoints/step_000010/
       model.safetensors | adapter_model.safetensors   weights (adapters only under LoRA)
-      optimizer.pt     AdamW state
-      state.json       step, optimizer steps, torch RNG state
+      optimizer.pt     AdamW state (CPU tensors: loads on any device)
+      rng.pt           torch RNG state (and the GPUs' when CUDA is in use)
+      state.json       step, optimizer steps, a recipe's own state
   ledger.sqlite        evaluations and checkpoints (the source of truth for what was kept)
   report.md, plots/    written by `recursa report`
 ```
@@ -142,9 +143,11 @@ class RunStore:
     def load_state(ckpt: Path, optimizer: torch.optim.Optimizer | None) -> dict:
         state = json.loads((ckpt / "state.json").read_text())
         if optimizer is not None:
-            optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=True))
-        rng = torch.load(ckpt / "rng.pt", weights_only=False)
+            load_optimizer(optimizer, ckpt / "optimizer.pt")
+        rng = torch.load(ckpt / "rng.pt", weights_only=False, map_location="cpu")
         torch.set_rng_state(rng["torch_rng"])
+        if "cuda_rng" in rng and torch.cuda.is_available() and len(rng["cuda_rng"]) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(rng["cuda_rng"])
         return state
 
     def close(self) -> None:
@@ -161,14 +164,34 @@ def write_weights(final: Path, policy, optimizer: torch.optim.Optimizer, state: 
     if tmp.exists():
         shutil.rmtree(tmp)
     save_weights(policy, tmp)
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    torch.save(_to_cpu(optimizer.state_dict()), tmp / "optimizer.pt")
     if state is not None:
-        torch.save({"torch_rng": torch.get_rng_state()}, tmp / "rng.pt")
+        rng = {"torch_rng": torch.get_rng_state()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            rng["cuda_rng"] = torch.cuda.get_rng_state_all()
+        torch.save(rng, tmp / "rng.pt")
         (tmp / "state.json").write_text(json.dumps(state, indent=1))
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)
     return final
+
+
+def load_optimizer(optimizer: torch.optim.Optimizer, path: Path) -> None:
+    """Optimizer state saved by `write_weights`, read onto the CPU; `load_state_dict` moves
+    each state tensor to its parameter's device."""
+    optimizer.load_state_dict(torch.load(path, weights_only=True, map_location="cpu"))
+
+
+def _to_cpu(obj):
+    """A state dict with every tensor on the CPU (CPU tensors as they are, not copied)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
 
 
 def finished_checkpoints(run_dir: Path) -> list[Path]:

@@ -7,6 +7,9 @@ of one prompt span followed by one action span; multi-turn episodes interleave t
 
 Per-token lists are aligned to `token_ids`: position t holds information about token t
 (its log-probability given tokens < t). Position 0 is never an action.
+
+Trajectories are plain Python (host) data; `collate` turns them into a `TrainBatch` on the
+model's device, padding on the host and copying each tensor over once.
 """
 
 from __future__ import annotations
@@ -57,9 +60,19 @@ class TrainBatch:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
+    @property
+    def device(self) -> torch.device:
+        return self.input_ids.device
+
+    def to(self, device: torch.device | str) -> "TrainBatch":
+        """The same batch on `device` (self when it is already there)."""
+        if torch.device(device) == self.device:
+            return self
+        return TrainBatch(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.action_mask, self.sample_logprobs, self.advantages, self.rewards)))
+
     def select(self, idx: torch.Tensor | list[int]) -> "TrainBatch":
         """Rows `idx`, trimmed to the longest selected sequence."""
-        idx = torch.as_tensor(idx, dtype=torch.long)
+        idx = torch.as_tensor(idx, dtype=torch.long, device=self.device)
         length = int(self.attention_mask[idx].sum(dim=1).max().item())
         return TrainBatch(
             input_ids=self.input_ids[idx, :length],
@@ -71,22 +84,27 @@ class TrainBatch:
         )
 
 
-def collate(trajectories: list[Trajectory], advantages: torch.Tensor, pad_id: int) -> TrainBatch:
-    """Stack trajectories into right-padded tensors; `advantages  # (N,)` in the same order."""
+def collate(trajectories: list[Trajectory], advantages: torch.Tensor, pad_id: int, device: torch.device | str = "cpu") -> TrainBatch:
+    """Stack trajectories into right-padded tensors on `device` (the policy's);
+    `advantages  # (N,)` in the same order, on any device."""
     n = len(trajectories)
     length = max(len(t.token_ids) for t in trajectories)
-    input_ids = torch.full((n, length), pad_id, dtype=torch.long)
-    attention = torch.zeros((n, length), dtype=torch.long)
-    action = torch.zeros((n, length), dtype=torch.float32)
-    logp = torch.zeros((n, length), dtype=torch.float32)
+    host = torch.device("cpu")  # padded row by row on the host, then copied over once per tensor
+    input_ids = torch.full((n, length), pad_id, dtype=torch.long, device=host)
+    attention = torch.zeros((n, length), dtype=torch.long, device=host)
+    action = torch.zeros((n, length), dtype=torch.float32, device=host)
+    logp = torch.zeros((n, length), dtype=torch.float32, device=host)
     for i, t in enumerate(trajectories):
         k = len(t.token_ids)
-        input_ids[i, :k] = torch.tensor(t.token_ids, dtype=torch.long)
+        input_ids[i, :k] = torch.tensor(t.token_ids, dtype=torch.long, device=host)
         attention[i, :k] = 1
-        action[i, :k] = torch.tensor(t.action_mask, dtype=torch.float32)
-        logp[i, :k] = torch.tensor(t.sample_logprobs, dtype=torch.float32)
-    rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
-    return TrainBatch(input_ids, attention, action, logp, advantages.reshape(-1).to(torch.float32), rewards)
+        action[i, :k] = torch.tensor(t.action_mask, dtype=torch.float32, device=host)
+        logp[i, :k] = torch.tensor(t.sample_logprobs, dtype=torch.float32, device=host)
+    rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32, device=host)
+    return TrainBatch(
+        input_ids.to(device), attention.to(device), action.to(device), logp.to(device),
+        advantages.reshape(-1).to(device=device, dtype=torch.float32), rewards.to(device),
+    )
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -10,6 +11,10 @@ import torch
 from recursa.envs import StepResult, register_env
 
 torch.set_num_threads(2)
+# model.device = "auto" means the GPU where there is one; the suite's exact numbers are the
+# CPU's, so it pins the CPU (RECURSA_DEVICE=cuda runs it on a GPU; tests/test_device.py runs
+# its own recipes on every device present either way).
+os.environ.setdefault("RECURSA_DEVICE", "cpu")
 
 
 class DigitsEnv:

@@ -391,7 +391,7 @@ def skill_rewards(
         excess = max(0, lengths[j] - max_len)
         replay = skill_replay_reward(delta_means[j], outcomes[j], clip).item()
         rewards.append(replay - length_penalty * excess)
-    return torch.tensor(rewards, dtype=torch.get_default_dtype())
+    return torch.tensor(rewards, dtype=torch.get_default_dtype(), device="cpu")  # Python floats: a host statistic
 
 
 def group_normalise(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -410,8 +410,8 @@ def correlation(x: torch.Tensor, y: torch.Tensor) -> float:
     nan when undefined: fewer than 2 pairs, or either side has zero variance.
     Computed in float64; e.g. corr(trajectory_shift, outcome advantage) for logging.
     """
-    x = torch.as_tensor(x).detach().to(torch.float64).flatten()
-    y = torch.as_tensor(y).detach().to(torch.float64).flatten()
+    x = torch.as_tensor(x, device="cpu").detach().to(torch.float64).flatten()  # a statistic: on the host,
+    y = torch.as_tensor(y, device="cpu").detach().to(torch.float64).flatten()  # whatever device x and y are on
     if x.shape != y.shape:
         raise ValueError(
             f"x and y must have the same number of values, got {x.numel()} and {y.numel()}"

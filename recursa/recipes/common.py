@@ -18,7 +18,7 @@ from recursa.envs.base import split_seeds
 from recursa.errors import UserError
 from recursa.evaluate import EvalResult, evaluate
 from recursa.generation import sequence_logprobs
-from recursa.models import Policy, count_parameters, load_policy
+from recursa.models import Policy, count_parameters, load_policy, resolve_device
 from recursa.rollout import is_agent_env
 from recursa.store import RunStore, finished_checkpoints
 from recursa.trajectory import TrainBatch
@@ -27,8 +27,17 @@ Progress = Callable[[str, int, int], None]  # (phase, done, total)
 
 
 def step_generator(seed: int, step: int) -> torch.Generator:
-    """The generator for every random draw of step (or round, or epoch) `step`."""
-    return torch.Generator().manual_seed(seed * 1_000_003 + step)
+    """The generator for every random draw of step (or round, or epoch) `step`. It lives on
+    the CPU whatever the policy's device: shuffles and choices are drawn on the host, and
+    sampling on a GPU seeds a GPU generator from it (`generation.uniform_source`)."""
+    return torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + step)
+
+
+def device_name(device: torch.device) -> str:
+    """'cpu', or 'cuda:0 (NVIDIA H200)': what the model line of a run's log says."""
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    return str(device)
 
 
 def lr_at(cfg, opt_step: int) -> float:
@@ -103,6 +112,7 @@ def open_run(cfg, out: Path, resume: bool, log: Callable[[str], None], kl_refere
     run's own last checkpoint when resuming) and its optimizer, restore the optimizer and
     RNG state, and drop every log line after the checkpoint. With `kl_reference`, the
     frozen reference is the initial policy (the warm start, if any), never a checkpoint."""
+    resolve_device(cfg.model.device)  # a GPU asked for and missing fails here, before the run directory is touched
     torch.set_num_threads(cfg.run.threads)
     torch.manual_seed(cfg.train.seed)
     pool = EnvPool(lambda: make_env(cfg.env.name, **cfg.env.kwargs))
@@ -131,7 +141,10 @@ def open_run(cfg, out: Path, resume: bool, log: Callable[[str], None], kl_refere
         log(f"no checkpoint in {out}: starting from the beginning")
     run = OpenedRun(pool, store, policy, optimizer, multi_turn, init_dir, state)
     total, trainable = count_parameters(policy.model)
-    log(f"model {cfg.model.name}{run.origin}: {total / 1e6:.1f}M parameters, {trainable / 1e6:.1f}M trainable; task {cfg.env.name}{detail}")
+    log(
+        f"model {cfg.model.name}{run.origin}: {total / 1e6:.1f}M parameters, {trainable / 1e6:.1f}M trainable, "
+        f"{cfg.model.dtype} on {device_name(policy.device)}; task {cfg.env.name}{detail}"
+    )
     return run
 
 
@@ -228,5 +241,5 @@ def supervised_step(policy: Policy, optimizer: torch.optim.Optimizer, batch: Tra
 
 def batch_order(n: int, batch_size: int, generator: torch.Generator) -> list[torch.Tensor]:
     """A seeded shuffle of n rows cut into optimizer batches (the last may be smaller)."""
-    perm = torch.randperm(n, generator=generator)
+    perm = torch.randperm(n, generator=generator, device="cpu")
     return [perm[i : i + batch_size] for i in range(0, n, batch_size)]

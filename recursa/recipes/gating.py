@@ -40,7 +40,7 @@ from recursa.gate import GateConfig, binary_gate, fresh_gate_seeds
 from recursa.lineage import Lineage
 from recursa.models import Policy, restore_weights
 from recursa.stats import paired_compare
-from recursa.store import RunStore, write_weights
+from recursa.store import RunStore, load_optimizer, write_weights
 
 
 def gate_config(gc) -> GateConfig:
@@ -98,7 +98,7 @@ class WeightsGate:
         if keep_candidate:
             policy.model.load_state_dict(trainable)
         else:
-            optimizer.load_state_dict(torch.load(inc_dir / "optimizer.pt", weights_only=True))
+            load_optimizer(optimizer, inc_dir / "optimizer.pt")
         payload = {"seeds": [seeds[0], seeds[-1]]}
         if decision.accepted:
             payload["dir"] = str(self._save(step, policy, optimizer).relative_to(self.store.path))
@@ -247,7 +247,7 @@ class PromptGate:
         if not proposals:
             self.log(f"prompt round @ {step}: no usable proposal ({dropped} malformed)")
             return metrics
-        rng_seeds = torch.randint(0, 10_000_000, (gc.prompt_select_n,), generator=generator).tolist()
+        rng_seeds = torch.randint(0, 10_000_000, (gc.prompt_select_n,), generator=generator, device="cpu").tolist()  # the step generator lives on the CPU
         select = [split_seed("train", int(s)) for s in rng_seeds]
         scored = [(self._score(policy, p, "train", select, "prompt selection").success_rate, i, p) for i, p in enumerate(proposals)]
         best_rate, _, best = max(scored, key=lambda x: (x[0], -x[1]))

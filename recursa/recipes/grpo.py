@@ -13,6 +13,10 @@
 
 Every random draw of step k comes from a generator seeded by (train.seed, k), so a run
 resumed from a checkpoint replays exactly what an uninterrupted run would have done.
+
+Devices: rewards and advantages are computed on the host from the envs' Python floats
+(statistics, logged with `.item()`); `collate` puts the batch (ids, masks, advantages) on
+the policy's device, and everything the update makes from it stays there.
 """
 
 from __future__ import annotations
@@ -105,7 +109,7 @@ def update(
     groups = prompt_groups(batch)
     for _ in range(tc.epochs):
         # shuffle whole prompt groups, so the rows of a group share micro-batches (and prefills)
-        order = torch.cat([groups[int(g)] for g in torch.randperm(len(groups), generator=generator)])
+        order = torch.cat([groups[int(g)] for g in torch.randperm(len(groups), generator=generator, device="cpu")])  # (N,) on the batch's device
         for m in range(tc.mini_batches):
             mb_idx = order[m * n // tc.mini_batches : (m + 1) * n // tc.mini_batches]  # every row, also when n % mini_batches != 0 (games)
             num_tokens = int(batch.action_mask[mb_idx].sum().item())
@@ -177,7 +181,7 @@ def update(
 def update_metrics(st: UpdateStats, rows: list[Trajectory], n_batch: int, cfg, opt_step: int) -> dict:
     """The update's metrics (loss/policy, policy/*) and the sampled completions' (completion/*);
     `n_batch` rows were in the update's batch, `opt_step` counts optimizer steps so far."""
-    lengths = torch.tensor([t.num_action_tokens for t in rows], dtype=torch.float32)
+    lengths = torch.tensor([t.num_action_tokens for t in rows], dtype=torch.float32, device="cpu")
     return {
         "loss/policy": st.loss,
         "policy/kl": st.kl,
@@ -221,16 +225,18 @@ def episode_rows(episodes: list[Episode], advantages: torch.Tensor, cfg: GRPOCon
         "episode/step_adv_abs_mean": sum(abs(a) for sa in step_adv for a in sa) / n_steps,
         "batch/rows": len(rows),
     }
-    return rows, torch.tensor(row_adv, dtype=torch.float32), metrics
+    return rows, torch.tensor(row_adv, dtype=torch.float32, device="cpu"), metrics
 
 
 def prompt_groups(batch: TrainBatch) -> list[torch.Tensor]:
-    """Row indices grouped by identical prompt (the tokens before the first action token)."""
-    first = prefix_lengths(batch.action_mask)
+    """Row indices grouped by identical prompt (the tokens before the first action token),
+    on the batch's device."""
+    first = prefix_lengths(batch.action_mask).tolist()
+    host_ids = batch.input_ids.tolist()  # one copy to the host
     index: dict[tuple, list[int]] = {}
     for i in range(len(batch)):
-        index.setdefault(tuple(batch.input_ids[i, : int(first[i])].tolist()), []).append(i)
-    return [torch.tensor(rows, dtype=torch.long) for rows in index.values()]
+        index.setdefault(tuple(host_ids[i][: first[i]]), []).append(i)
+    return [torch.tensor(rows, dtype=torch.long, device=batch.device) for rows in index.values()]
 
 
 @torch.no_grad()
@@ -240,7 +246,7 @@ def _score(logprobs, model, batch: TrainBatch, temperature: float, micro: int, c
     model.eval()
     out = torch.zeros_like(batch.sample_logprobs)
     for lo in range(0, len(batch), micro):
-        idx = torch.arange(lo, min(lo + micro, len(batch)))
+        idx = torch.arange(lo, min(lo + micro, len(batch)), device=batch.device)
         mb = batch.select(idx)
         logp, _ = logprobs(model, mb.input_ids, mb.attention_mask, mb.action_mask, temperature, chunk)
         out[idx, : logp.shape[1]] = logp
@@ -275,7 +281,7 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
             ero = rollout_episodes(policy, pool, seeds, G, sampling, gen, system_prompt, cfg.agent)
             episodes, gen_stats = ero.episodes, ero.stats
             t1 = time.perf_counter()
-            rewards = torch.tensor([e.total_reward for e in episodes], dtype=torch.float32).view(B, G)  # (B, G)
+            rewards = torch.tensor([e.total_reward for e in episodes], dtype=torch.float32, device="cpu").view(B, G)  # (B, G)
             advantages = compute_advantages(cfg.algo.advantage, rewards)  # (B, G)
             trajs, row_advantages, episode_metrics = episode_rows(episodes, advantages, cfg)
             failures.extend((f"{e.task} {e.turns[-1].observation}", " | ".join(t.action for t in e.turns[-3:])) for e in episodes if not e.won and e.turns)
@@ -283,16 +289,16 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
             ro = rollout(policy, pool, seeds, G, sampling, gen, system_prompt)
             trajs, gen_stats = ro.trajectories, ro.stats
             t1 = time.perf_counter()
-            rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32).view(B, G)  # (B, G)
+            rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32, device="cpu").view(B, G)  # (B, G)
             advantages = compute_advantages(cfg.algo.advantage, rewards)  # (B, G)
             row_advantages = advantages.view(-1)
             failures.extend((t.prompt_text, t.completion_text) for t in trajs if not t.success)
-        batch = collate(trajs, row_advantages, policy.tokenizer.pad_token_id)
+        batch = collate(trajs, row_advantages, policy.tokenizer.pad_token_id, policy.device)
         st = update(policy, optimizer, batch, cfg, gen, opt_step)
         opt_step += st.opt_steps
         t2 = time.perf_counter()
 
-        lengths = torch.tensor([t.num_action_tokens for t in trajs], dtype=torch.float32)
+        lengths = torch.tensor([t.num_action_tokens for t in trajs], dtype=torch.float32, device="cpu")
         prompt_tokens = sum(len(t.token_ids) - t.num_action_tokens for t in trajs)
         zero_var = (rewards.std(dim=1) == 0).float().mean()
         metrics = {

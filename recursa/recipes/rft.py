@@ -158,7 +158,7 @@ def finetune(policy, optimizer, rows: list[Trajectory], cfg: RFTConfig, gen: tor
     for _ in range(cfg.train.epochs):
         for idx in batch_order(len(rows), cfg.train.batch_size, gen):
             chosen = [rows[int(i)] for i in idx]
-            st = supervised_step(policy, optimizer, collate(chosen, torch.zeros(len(chosen)), pad), cfg, opt_step)
+            st = supervised_step(policy, optimizer, collate(chosen, torch.zeros(len(chosen), device="cpu"), pad, policy.device), cfg, opt_step)
             opt_step += 1
             losses.append(st.loss)
     return opt_step, (sum(losses) / len(losses) if losses else float("nan"))

@@ -47,6 +47,11 @@ Where this departs from the spec's letter, and why:
 * The update aggregates the action rows and the writing rows in one call; their advantages are
   rescaled (`term_scales`) so that the loss is L_policy + coef * L_writing, each averaged over its
   own tokens, and the writing rows never dilute the policy's gradient.
+
+Devices: rewards, outcome advantages, successes and the skills' replay rewards are host
+statistics (built from Python values); the teacher's log-probs, Delta, trust per row and the
+token advantages live on the policy's device with the batch, and the host statistics are moved
+there explicitly where they join them.
 """
 
 from __future__ import annotations
@@ -172,19 +177,21 @@ def score_actions(policy: Policy, pairs: list[tuple[list[int], list[int]]], cfg:
     model.eval()
     logprobs = shared_prefix_logprobs if cfg.train.shared_prefix else sequence_logprobs
     pad = policy.tokenizer.pad_token_id
+    device, host = policy.device, torch.device("cpu")
     order = sorted(range(len(pairs)), key=lambda i: pairs[i][0])
-    out: list[torch.Tensor] = [torch.zeros(0)] * len(pairs)
+    out: list[torch.Tensor] = [torch.zeros(0, device=device)] * len(pairs)
     for lo in range(0, len(order), cfg.train.micro_batch_size):
         idx = order[lo : lo + cfg.train.micro_batch_size]
         width = max(len(pairs[i][0]) + len(pairs[i][1]) for i in idx)
-        ids = torch.full((len(idx), width), pad, dtype=torch.long)
-        attn = torch.zeros((len(idx), width), dtype=torch.long)
-        act = torch.zeros((len(idx), width), dtype=torch.float32)
+        ids = torch.full((len(idx), width), pad, dtype=torch.long, device=host)  # padded on the host, moved once
+        attn = torch.zeros((len(idx), width), dtype=torch.long, device=host)
+        act = torch.zeros((len(idx), width), dtype=torch.float32, device=host)
         for j, i in enumerate(idx):
             p, a = pairs[i]
-            ids[j, : len(p) + len(a)] = torch.tensor(p + a, dtype=torch.long)
+            ids[j, : len(p) + len(a)] = torch.tensor(p + a, dtype=torch.long, device=host)
             attn[j, : len(p) + len(a)] = 1
             act[j, len(p) : len(p) + len(a)] = 1
+        ids, attn, act = ids.to(device), attn.to(device), act.to(device)
         logp, _ = logprobs(model, ids, attn, act, cfg.sampling.temperature, cfg.train.logit_chunk)  # (n, width)
         for j, i in enumerate(idx):
             p, a = pairs[i]
@@ -213,8 +220,8 @@ def teacher_logprobs(policy: Policy, rows: list[Trajectory], contexts: list[Cont
         pairs.append((render_prompt(tok, user_message(ctx, cfg.agent, hint), system), actions))
         which.append(i)
     scores = score_actions(policy, pairs, cfg)
-    teacher = [torch.zeros(r.num_action_tokens) for r in rows]
-    student = [torch.zeros(r.num_action_tokens) for r in rows]
+    teacher = [torch.zeros(r.num_action_tokens, device=policy.device) for r in rows]
+    student = [torch.zeros(r.num_action_tokens, device=policy.device) for r in rows]
     for k, i in enumerate(which):
         student[i], teacher[i] = scores[2 * k], scores[2 * k + 1]
     return teacher, student
@@ -237,7 +244,7 @@ def _clip(text: str, limit: int) -> str:
 def alternate(candidates: list[int], success: list[bool], n: int, gen: torch.Generator) -> list[int]:
     """Up to n of `candidates`, alternately a success and a failure, each drawn at random,
     continuing with the other kind when one runs out."""
-    order = torch.randperm(len(candidates), generator=gen).tolist()
+    order = torch.randperm(len(candidates), generator=gen, device="cpu").tolist()
     wins = [candidates[k] for k in order if success[k]]
     losses = [candidates[k] for k in order if not success[k]]
     picked: list[int] = []
@@ -301,7 +308,7 @@ def replay_rewards(policy: Policy, writing: Writing, attempts: list[Attempt], bu
         plan = []
         for i in alternate(pool, [buffer[i].success for i in pool], sc.replay_size, gen):
             n_turns = len(buffer[i].contexts)
-            turns = sorted(int(t) for t in torch.randperm(n_turns, generator=gen)[: sc.replay_turns])
+            turns = sorted(int(t) for t in torch.randperm(n_turns, generator=gen, device="cpu")[: sc.replay_turns])
             plan.append((i, turns))
         plans.append(plan)
 
@@ -321,7 +328,8 @@ def replay_rewards(policy: Policy, writing: Writing, attempts: list[Attempt], bu
                     need(None, i, t)
                     if p.valid:
                         need(skill_hint([p.text]), i, t)
-    scores = score_actions(policy, pairs, cfg)
+    scores = score_actions(policy, pairs, cfg)  # on the policy's device
+    device = policy.device
 
     rewards: list[torch.Tensor | None] = []
     for s, plan in enumerate(plans):
@@ -329,7 +337,7 @@ def replay_rewards(policy: Policy, writing: Writing, attempts: list[Attempt], bu
             rewards.append(None)
             continue
         means, outcomes, lengths, invalid = [], [], [], []
-        outcome = torch.tensor([1.0 if buffer[i].success else -1.0 for i, _ in plan])
+        outcome = torch.tensor([1.0 if buffer[i].success else -1.0 for i, _ in plan], device=device)
         for k in range(K):
             p = writing.parsed[s * K + k]
             d = []
@@ -337,8 +345,8 @@ def replay_rewards(policy: Policy, writing: Writing, attempts: list[Attempt], bu
                 for i, turns in plan:
                     diff = torch.cat([scores[slot[(skill_hint([p.text]), i, t)]] - scores[slot[(None, i, t)]] for t in turns])
                     d.append(diff.mean())
-            means.append(torch.stack(d) if d else torch.zeros(0))
-            outcomes.append(outcome if d else torch.zeros(0))
+            means.append(torch.stack(d) if d else torch.zeros(0, device=device))
+            outcomes.append(outcome if d else torch.zeros(0, device=device))
             lengths.append(p.words)
             invalid.append(not p.valid)
         rewards.append(skill_rewards(means, outcomes, lengths, invalid, sc.replay_clip, sc.max_words, sc.length_penalty, sc.invalid_reward))
@@ -350,7 +358,7 @@ class SkillStep:
     """What one step's skill writing produced for the update and the logs."""
 
     rows: list[Trajectory] = field(default_factory=list)  # writing prompt + candidate tokens, trained when rewarded
-    advantages: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # (len(rows),) coef x group-normalised reward
+    advantages: torch.Tensor = field(default_factory=lambda: torch.zeros(0, device="cpu"))  # (len(rows),) coef x group-normalised reward, host
     admitted: dict[int, int] = field(default_factory=dict)  # skill id -> the attempt it was written from
     log: list[dict] = field(default_factory=list)  # one record per candidate (skills.jsonl)
     metrics: dict[str, float] = field(default_factory=dict)
@@ -393,9 +401,9 @@ def learn_skills(policy: Policy, attempts: list[Attempt], buffer: list[Attempt],
             out.log.append({"source_seed": src.seed, "source_success": src.success, "candidate": k, "text": cands[k].text, "valid": cands[k].valid,
                             "reason": cands[k].reason, "words": cands[k].words, "reward": None if r is None else float(r[k]),
                             "admitted": k == best, "replayed": replayed[s]})
-    out.advantages = torch.tensor(advantages, dtype=torch.float32)
-    rewarded = torch.tensor([c["reward"] for c in out.log if c["valid"] and c["reward"] is not None])
-    words = torch.tensor([float(p.words) for p in writing.parsed if p.valid])
+    out.advantages = torch.tensor(advantages, dtype=torch.float32, device="cpu")
+    rewarded = torch.tensor([c["reward"] for c in out.log if c["valid"] and c["reward"] is not None], device="cpu")
+    words = torch.tensor([float(p.words) for p in writing.parsed if p.valid], device="cpu")
     out.metrics = {
         **stats.metrics(),
         "skills/sources": float(len(sources)),
@@ -566,7 +574,7 @@ def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress 
         if multi_turn:
             ero = rollout_episodes(policy, pool, seeds, G, sampling, gen, system, cfg.agent, hints=shown)
             gen_stats = ero.stats
-            rewards = torch.tensor([e.total_reward for e in ero.episodes], dtype=torch.float32).view(B, G)  # (B, G)
+            rewards = torch.tensor([e.total_reward for e in ero.episodes], dtype=torch.float32, device="cpu").view(B, G)  # (B, G)
             advantages = compute_advantages(cfg.algo.advantage, rewards)  # (B, G)
             rows, row_adv, episode_metrics = episode_rows(ero.episodes, advantages, cfg)  # one row per turn
             attempts = episode_attempts(ero.episodes, step + 1, cfg.agent, shown)
@@ -574,13 +582,13 @@ def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress 
             ro = rollout(policy, pool, seeds, G, sampling, gen, system, hints=shown)
             gen_stats = ro.stats
             rows = ro.trajectories
-            rewards = torch.tensor([t.reward for t in rows], dtype=torch.float32).view(B, G)  # (B, G)
+            rewards = torch.tensor([t.reward for t in rows], dtype=torch.float32, device="cpu").view(B, G)  # (B, G)
             advantages = compute_advantages(cfg.algo.advantage, rewards)  # (B, G)
             row_adv = advantages.view(-1)
             attempts = completion_attempts(rows, step + 1, shown)
         row_attempt = [a for a, att in enumerate(attempts) for _ in att.contexts]  # (rows,) attempt of each row
         row_context = [c for att in attempts for c in att.contexts]
-        success = torch.tensor([a.success for a in attempts]).view(B, G)  # (B, G)
+        success = torch.tensor([a.success for a in attempts], device="cpu").view(B, G)  # (B, G)
         buffer.extend(attempts)
         store.append_jsonl("replay", step + 1, [a.to_json() for a in attempts])
         t1 = time.perf_counter()
@@ -598,12 +606,13 @@ def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress 
         t2 = time.perf_counter()
 
         # ---- teacher: Delta on every row whose task has a hint ---------------------------
-        batch = collate(rows + skills.rows, torch.zeros(len(rows) + len(skills.rows)), policy.tokenizer.pad_token_id)
+        dev = policy.device
+        batch = collate(rows + skills.rows, torch.zeros(len(rows) + len(skills.rows), device="cpu"), policy.tokenizer.pad_token_id, dev)
         n = len(rows)
         mask = batch.action_mask[:n]  # (n, L) the policy rows' action tokens
         delta = torch.zeros_like(mask)  # (n, L)
-        trust_rows = torch.zeros(n)  # (n,) T_g (x the pass-rate weight) of each row's teacher
-        has_hint = torch.zeros(n, dtype=torch.bool)
+        trust_rows = torch.zeros(n, device=dev)  # (n,) T_g (x the pass-rate weight) of each row's teacher
+        has_hint = torch.zeros(n, dtype=torch.bool, device=dev)
         teacher_metrics: dict[str, float] = {}
         if tc.source != "none":
             hints, groups = teacher_hints(attempts, cfg, library, pool, multi_turn, G)
@@ -612,19 +621,20 @@ def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress 
             logp_teacher, logp_student = torch.zeros_like(mask), torch.zeros_like(mask)  # (n, L), aligned on the action tokens
             logp_teacher[mask.bool()], logp_student[mask.bool()] = torch.cat(teacher), torch.cat(student)
             delta = teacher_shift(logp_teacher, logp_student, mask)  # (n, L)
-            has_hint = torch.tensor([h is not None for h in row_hints])
+            has_hint = torch.tensor([h is not None for h in row_hints], device=dev)
             for sid in {g for g in groups if isinstance(g, int)}:
                 library.record_use(sid, step + 1, sum(len(attempts[a].contexts) for a in range(len(attempts)) if groups[a] == sid))
             # trust from earlier steps' trials (fixed: OPID-like), x sqrt(p(1-p)) with SC-SDPO weighting
-            attempt_trust = torch.tensor([0.0 if g is None else (cfg.trust.fixed if cfg.trust.mode == "fixed" else trust.trust(g)) for g in groups])
+            attempt_trust = torch.tensor([0.0 if g is None else (cfg.trust.fixed if cfg.trust.mode == "fixed" else trust.trust(g)) for g in groups], device=dev)
             if tc.weighting == "pass_rate":
-                attempt_trust = attempt_trust * pass_rate_weights(success).reshape(-1)
+                attempt_trust = attempt_trust * pass_rate_weights(success).reshape(-1).to(dev)
             trust_rows = attempt_trust[row_attempt]
             # this step's agreement trials: sign of the attempt's mean Delta vs its outcome advantage
-            sums = torch.zeros(len(attempts)).index_add(0, torch.tensor(row_attempt), (delta * mask).sum(1))
-            counts = torch.zeros(len(attempts)).index_add(0, torch.tensor(row_attempt), mask.sum(1))
+            row_attempt_idx = torch.tensor(row_attempt, device=dev)  # (n,)
+            sums = torch.zeros(len(attempts), device=dev).index_add(0, row_attempt_idx, (delta * mask).sum(1))
+            counts = torch.zeros(len(attempts), device=dev).index_add(0, row_attempt_idx, mask.sum(1))
             mean_delta = sums / counts.clamp_min(1)  # (attempts,)
-            outcome = advantages.reshape(-1)  # (attempts,)
+            outcome = advantages.reshape(-1).to(dev)  # (attempts,)
             is_source = [skills.admitted.get(g) == a for a, g in enumerate(groups)]
             trials = agreement_trials(groups, mean_delta.tolist(), outcome.tolist(), is_source, cfg.trust.threshold)
             trust.update(trials)
@@ -632,16 +642,17 @@ def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress 
             for g in trials:
                 if isinstance(g, int):  # the skill's decayed counts, as of its latest trial
                     library.record_trust(g, *counts_now[g])
-            teacher_metrics = teacher_summary(delta, mask, has_hint, mean_delta, outcome, torch.tensor([h is not None for h in hints]), trust_rows, trust, trials)
+            attempt_hint = torch.tensor([h is not None for h in hints], device=dev)  # (attempts,)
+            teacher_metrics = teacher_summary(delta, mask, has_hint, mean_delta, outcome, attempt_hint, trust_rows, trust, trials)
         t3 = time.perf_counter()
 
         # ---- token advantages: A_t = A_outcome + lam T_g psi(Delta_t) -------------------------
         teacher_mask = mask * has_hint[:, None]  # (n, L)
         route = "failed" if tc.route == "failed" else None
-        row_success = torch.tensor([attempts[a].success for a in row_attempt])
+        row_success = torch.tensor([attempts[a].success for a in row_attempt], device=dev)
         lam_adv = tc.lam if tc.mode == "advantage" else 0.0
         psi_values = psi(delta, teacher_mask, tc.clip, tc.scale, tc.negative_scale)  # (n, L)
-        token_adv, shares = token_advantages(row_adv, psi_values, trust_rows, lam_adv, mask, route, row_success)  # (n, L)
+        token_adv, shares = token_advantages(row_adv.to(dev), psi_values, trust_rows, lam_adv, mask, route, row_success)  # (n, L)
         # loss = L_policy (over the action tokens) + coef * L_writing (over the writing tokens): the update
         # aggregates all rows at once, and the per-token loss is linear in A, so scaling each part's
         # advantages by its share of the aggregation's denominator keeps the two terms apart
@@ -649,7 +660,7 @@ def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress 
         adv = torch.zeros_like(batch.action_mask)  # (N, L) policy rows, then writing rows
         adv[:n] = token_adv * policy_scale
         if skills.rows:
-            adv[n:] = skills.advantages[:, None] * batch.action_mask[n:] * writing_scale
+            adv[n:] = skills.advantages.to(dev)[:, None] * batch.action_mask[n:] * writing_scale
         batch.advantages = adv
         imitation = None
         if tc.mode == "imitation" and tc.source != "none":
@@ -665,7 +676,7 @@ def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress 
         opt_step += st.opt_steps
         t4 = time.perf_counter()
 
-        lengths = torch.tensor([t.num_action_tokens for t in rows], dtype=torch.float32)
+        lengths = torch.tensor([t.num_action_tokens for t in rows], dtype=torch.float32, device="cpu")
         prompt_tokens = sum(len(t.token_ids) - t.num_action_tokens for t in rows)
         metrics = {
             **episode_metrics,

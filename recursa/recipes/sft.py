@@ -73,7 +73,7 @@ def train(cfg: SFTConfig, out: Path, resume: bool = False, progress: Progress | 
         for b, idx in enumerate(batch_order(len(rows), cfg.train.batch_size, gen)):
             t1 = time.perf_counter()
             chosen = [rows[int(i)] for i in idx]
-            batch = collate(chosen, torch.zeros(len(chosen)), pad)
+            batch = collate(chosen, torch.zeros(len(chosen), device="cpu"), pad, policy.device)
             st = supervised_step(policy, optimizer, batch, cfg, opt_step)
             opt_step += 1
             dt = time.perf_counter() - t1
