@@ -46,7 +46,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 ABLATIONS_DIR = REPO / "examples" / "rsipo_ablations"
-ABLATIONS = ("opsd", "sdpo", "opid", "seed", "srpo", "scsdpo", "no_replay")
+ABLATIONS = ("opsd", "opsd_centered", "sdpo", "opid", "seed", "srpo", "scsdpo", "no_replay")
 RSIPO_SECTIONS = ("teacher", "trust", "skills")  # what an ablation config switches
 
 # The shared settings of every run, as --set overrides (recipe-specific ones below).

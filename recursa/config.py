@@ -252,6 +252,12 @@ class TeacherConfig(_Section):
     clip: float = Field(3.0, gt=0, description="psi: clip of Delta / scale")
     negative_scale: float = Field(1.0, ge=0, description="psi: factor on negative values (< 1 softens the teacher's rejections)")
     imitation_temperature: float = Field(1.0, gt=0, description="mode 'imitation': the gate is sigmoid(Delta / temperature)")
+    center: Literal["none", "group"] = Field(
+        "none",
+        description="group: subtract from Delta the mean over the group's hinted attempts of their mean Delta, before the trust trials, psi and "
+        "the imitation gate (inserting a hint shifts every action's log-prob by a common offset, while the outcome advantage is group-relative); "
+        "none: the raw Delta, as the RSIPO spec writes it",
+    )
     max_hint_chars: int = Field(600, gt=0, description="the reference / walkthrough / sibling text inserted into the teacher context is clipped to this many characters")
 
 

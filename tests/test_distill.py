@@ -9,6 +9,7 @@ from recursa.algorithms.distill import (
     correlation,
     delta_scale,
     group_normalise,
+    group_offsets,
     imitation_loss,
     pass_rate_weights,
     psi,
@@ -297,3 +298,27 @@ def test_correlation():
     assert math.isnan(correlation(t([]), t([])))
     with pytest.raises(ValueError, match="same number"):
         correlation(t([1.0, 2.0]), t([1.0]))
+
+
+def test_group_offsets_by_hand_and_what_centering_does_to_the_trust_trials():
+    from recursa.algorithms.trust import agreement_trials
+
+    # two groups of 3 attempts; the middle attempt of group 0 had no hint
+    mean_delta = t([-0.3, 9.0, -0.1, 0.2, 0.4, 0.6])
+    hinted = torch.tensor([True, False, True, True, True, True])
+    close(group_offsets(mean_delta, hinted, 3), [-0.2, -0.2, -0.2, 0.4, 0.4, 0.4])  # (-0.3 - 0.1) / 2; (0.2 + 0.4 + 0.6) / 3
+    close(group_offsets(mean_delta, torch.zeros(6, dtype=torch.bool), 3), [0.0] * 6)  # no hint: no offset
+    with pytest.raises(ValueError, match="groups of 4"):
+        group_offsets(mean_delta, hinted, 4)
+    with pytest.raises(ValueError, match=r"shape \(A,\)"):
+        group_offsets(mean_delta, hinted[:5], 3)
+
+    # a teacher that ranks every group's attempts exactly as the outcome does, but whose hint
+    # lowers every log-prob by 0.5: the raw sign agrees on half the trials, the centred on all
+    outcome = [1.0, -1.0, 1.0, -1.0]  # two groups of two, one success and one failure each
+    raw = t([-0.4, -0.6, -0.3, -0.7])
+    centred = raw - group_offsets(raw, torch.ones(4, dtype=torch.bool), 2)
+    close(centred, [0.1, -0.1, 0.2, -0.2])
+    groups, source = ["s", "s", "s", "s"], [False] * 4
+    assert agreement_trials(groups, raw.tolist(), outcome, source, 0.0) == {"s": (2, 4)}
+    assert agreement_trials(groups, centred.tolist(), outcome, source, 0.0) == {"s": (4, 4)}

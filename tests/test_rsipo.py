@@ -398,8 +398,8 @@ def test_example_configs_run_one_step(tmp_path, path):
     (row,) = _train_rows(run)
     name = path.stem
     assert ("teacher/rows_frac" in row) == (name != "grpo")
-    assert ("skills/written" in row) == (name not in ("grpo", "opsd", "sdpo"))
-    if name == "opsd":
+    assert ("skills/written" in row) == (name not in ("grpo", "opsd", "opsd_centered", "sdpo"))
+    if name in ("opsd", "opsd_centered"):
         assert row["teacher/rows_frac"] == 1.0  # every household game has a walkthrough
     if name == "seed":
         assert "teacher/imitation_weight_mean" in row
@@ -409,10 +409,11 @@ def test_example_configs_run_one_step(tmp_path, path):
 
 def test_ablation_configs_cover_the_spec():
     names = {p.stem for p in ABLATIONS}
-    assert names == {"grpo", "opsd", "sdpo", "opid", "seed", "srpo", "scsdpo", "no_replay"}
+    assert names == {"grpo", "opsd", "opsd_centered", "sdpo", "opid", "seed", "srpo", "scsdpo", "no_replay"}
     switches = {
         "grpo": lambda c: c.teacher.source == "none" and c.teacher.lam == 0 and not c.skills.enabled,
-        "opsd": lambda c: c.teacher.source == "reference",
+        "opsd": lambda c: c.teacher.source == "reference" and c.teacher.center == "none",
+        "opsd_centered": lambda c: c.teacher.source == "reference" and c.teacher.center == "group",
         "sdpo": lambda c: c.teacher.source == "sibling",
         "opid": lambda c: c.trust.mode == "fixed" and c.trust.fixed == 1.0,
         "seed": lambda c: c.teacher.mode == "imitation",

@@ -72,6 +72,7 @@ __all__ = [
     "SCALES",
     "teacher_shift",
     "trajectory_shift",
+    "group_offsets",
     "delta_scale",
     "psi",
     "token_advantages",
@@ -165,6 +166,27 @@ def trajectory_shift(delta: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     total = _masked(delta, keep).sum(dim=-1)  # (N,)
     count = keep.sum(dim=-1).clamp_min(1).to(total.dtype)  # (N,)
     return total / count
+
+
+def group_offsets(mean_delta: torch.Tensor, hinted: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The teacher's offset in each group, per attempt.  (A,) -> (A,)
+
+    mean_delta  # (A,) mean Delta of each attempt, attempts in groups of `group_size` (B x G order)
+    hinted      # (A,) True where the attempt had a teacher hint
+    Returns, for every attempt, the mean of `mean_delta` over the hinted attempts of its
+    group (0 for a group without any). Inserting text into a context shifts the
+    log-probability of every action by a roughly common amount (usually down); the outcome
+    advantage is relative to the group, so the teacher's verdict is made relative to its
+    group too by subtracting this offset (`teacher.center = "group"`).
+    """
+    if mean_delta.dim() != 1 or hinted.shape != mean_delta.shape:
+        raise ValueError(f"mean_delta and hinted must both have shape (A,), got {_shape(mean_delta)} and {_shape(hinted)}")
+    if group_size < 1 or mean_delta.numel() % group_size:
+        raise ValueError(f"{mean_delta.numel()} attempts do not split into groups of {group_size}")
+    values = mean_delta.reshape(-1, group_size)  # (B, G)
+    weight = hinted.reshape(-1, group_size).to(values.dtype)  # (B, G)
+    offset = (values * weight).sum(dim=1) / weight.sum(dim=1).clamp_min(1)  # (B,)
+    return offset.repeat_interleave(group_size)  # (A,)
 
 
 def delta_scale(

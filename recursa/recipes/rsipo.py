@@ -69,6 +69,7 @@ from recursa.algorithms.advantages import compute_advantages
 from recursa.algorithms.distill import (
     correlation,
     group_normalise,
+    group_offsets,
     pass_rate_weights,
     psi,
     seed_imitation_weights,
@@ -634,6 +635,11 @@ def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress 
             sums = torch.zeros(len(attempts), device=dev).index_add(0, row_attempt_idx, (delta * mask).sum(1))
             counts = torch.zeros(len(attempts), device=dev).index_add(0, row_attempt_idx, mask.sum(1))
             mean_delta = sums / counts.clamp_min(1)  # (attempts,)
+            attempt_hint = torch.tensor([h is not None for h in hints], device=dev)  # (attempts,)
+            if tc.center == "group":  # Delta relative to the group's hinted attempts, like A_outcome
+                offset = group_offsets(mean_delta, attempt_hint, G)  # (attempts,)
+                mean_delta = mean_delta - offset
+                delta = (delta - offset[row_attempt_idx][:, None]) * mask * has_hint[:, None]
             outcome = advantages.reshape(-1).to(dev)  # (attempts,)
             is_source = [skills.admitted.get(g) == a for a, g in enumerate(groups)]
             trials = agreement_trials(groups, mean_delta.tolist(), outcome.tolist(), is_source, cfg.trust.threshold)
@@ -642,7 +648,6 @@ def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress 
             for g in trials:
                 if isinstance(g, int):  # the skill's decayed counts, as of its latest trial
                     library.record_trust(g, *counts_now[g])
-            attempt_hint = torch.tensor([h is not None for h in hints], device=dev)  # (attempts,)
             teacher_metrics = teacher_summary(delta, mask, has_hint, mean_delta, outcome, attempt_hint, trust_rows, trust, trials)
         t3 = time.perf_counter()
 
