@@ -44,6 +44,11 @@ Where this departs from the spec's letter, and why:
   two hints), so for a skill teacher the teacher side is exactly the row's own prompt and
   the student side is the prompt re-rendered without the skill; a replayed attempt is
   likewise scored with the candidate skill vs with no skill, whatever it was shown.
+* `teacher.center = "group"` (off by default, as the spec writes Delta raw) takes each attempt's
+  Delta relative to the mean over its group's hinted attempts before the trust trials, psi and
+  the imitation gate. On twx:twc the walkthrough teacher's raw Delta was negative on almost every
+  attempt (a hint lowers every action's log-prob) while ranking attempts as the outcome did, so
+  raw signs agreed with A_outcome at chance and trust stayed 0 (README, RSIPO section).
 * The update aggregates the action rows and the writing rows in one call; their advantages are
   rescaled (`term_scales`) so that the loss is L_policy + coef * L_writing, each averaged over its
   own tokens, and the writing rows never dilute the policy's gradient.
