@@ -10,17 +10,16 @@ the policy with a retrieved skill in context. RSIPO's extra compute is reported 
 not equalised: the budget compared is the number of environment episodes.
 
     python benchmarks/rsipo_vs_grpo.py                         # twx:twc from the SFT warm start runs/twx_twc_sft
-    python benchmarks/rsipo_vs_grpo.py --recipes all           # + every ablation (examples/rsipo_ablations/*.toml)
-    python benchmarks/rsipo_vs_grpo.py --recipes grpo,rsipo,opid --seeds 0,1,2,3
+    python benchmarks/rsipo_vs_grpo.py --recipes all --reuse   # + every ablation (examples/rsipo_ablations/*.toml), keeping finished runs
+    python benchmarks/rsipo_vs_grpo.py --recipes grpo,rsipo,opid --seeds 0,1,2,3 --ablation-seeds 0,1
+    python benchmarks/rsipo_vs_grpo.py --gpu                   # the GPU setting: 1600 episodes per run, 200 test games
     python benchmarks/rsipo_vs_grpo.py --tiny --out /tmp/bench  # tiny random model on toy-corridor: checks the script, seconds per run
 
 Default setting (twx:twc, 1 location, 1 item to put away, 10 steps per game; the embedded
-SmolLM2-135M warm-started from `recursa train examples/twx_twc_sft.toml`): 4 steps x 2 games
-x 4 episodes = 32 training episodes per run, held-out success on 16 test games after 0, 16
-and 32 episodes, recipes grpo and rsipo, seeds 0, 1, 2. Sized for about 60 minutes on 2 CPU
-cores from the README's step times (a twx step of 8 episodes ~40 s of rollout, ~1.7 s of
-update per turn row, ~5 s per greedy test game); an estimate, not a measurement: time one
-run first with `--seeds 0 --recipes rsipo --steps 1`.
+SmolLM2-135M warm-started from `recursa train examples/twx_twc_sft.toml`): 6 steps x 2 games
+x 4 episodes = 48 training episodes per run, held-out success on 20 test games after 0, 24
+and 48 episodes, recipes grpo and rsipo, seeds 0, 1, 2. Measured: 64 min on 2 CPU cores, one
+run of which shared the machine with a test suite; ~46 min idle (benchmarks/README.md).
 
 Each run is its own subprocess (fresh interpreter and model); its run directory (metrics,
 evaluations, written skills) is kept under --runs-dir, its checkpoints are deleted unless
