@@ -434,6 +434,26 @@ def test_sibling_and_reference_teachers_on_single_turn(tmp_path):
     assert 0.0 <= sib["teacher/rows_frac"] <= 1.0
 
 
+def test_centred_delta_reaches_the_trust_trials(tmp_path, monkeypatch):
+    """teacher.center = group: the mean Delta the trust trials see sums to 0 over each group's
+    hinted attempts (raw, it does not)."""
+    seen = []
+    real = rsipo.agreement_trials
+
+    def spy(groups, mean_delta, outcome, is_source, threshold):
+        seen.append(list(mean_delta))
+        return real(groups, mean_delta, outcome, is_source, threshold)
+
+    monkeypatch.setattr(rsipo, "agreement_trials", spy)
+    G = 4
+    for center in ("none", "group"):
+        rsipo.train(_cfg("env.name=arithmetic", "train.steps=1", "train.prompts_per_step=2", f"train.group_size={G}", "teacher.source=reference",
+                         "skills.enabled=false", f"teacher.center={center}"), tmp_path / center, log=lambda *_: None)
+    raw, centred = (torch.tensor(m).reshape(-1, G) for m in seen)  # every arithmetic item has a reference answer
+    assert raw.sum(dim=1).abs().max() > 1e-3
+    assert torch.allclose(centred, raw - raw.mean(dim=1, keepdim=True), atol=1e-5)
+
+
 @pytest.mark.parametrize("env", ["toy-digits", "toy-corridor"])
 def test_resume_reproduces_the_uninterrupted_run(tmp_path, monkeypatch, env):
     """Crash in step 3's update (after that step admitted skills, grew the replay buffer and
