@@ -175,8 +175,9 @@ def run_one(name: str, seed: int, args, setting: dict, before: bool) -> dict:
     ]
     spec = {"recipe": recipe, "sets": sets, "out": str(out), "tiny": args.tiny}
     done_file = out / "bench.json"  # written last: its presence means the run finished
-    if args.reuse and done_file.exists() and json.loads(done_file.read_text())["spec"] == spec:
-        wall = json.loads(done_file.read_text())["wall_s"]
+    done = json.loads(done_file.read_text()) if args.reuse and done_file.exists() else None
+    if done is not None and done["spec"] == spec:
+        wall = done["wall_s"]
         print(f"{name:>10} seed {seed}: reusing the finished run in {out}", flush=True)
     else:
         if out.exists():
