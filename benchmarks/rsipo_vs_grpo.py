@@ -1,38 +1,52 @@
 #!/usr/bin/env python
-"""RSIPO against GRPO (and RSIPO's ablations) at the same rollout budget, several seeds.
+"""The self-improvement benchmark: does a recipe improve its warm start, and does RSIPO beat GRPO?
 
-Every recipe trains from the same starting weights with the same tasks per step, group size,
-steps, learning rate and sampling, so each run plays exactly steps x B x G training episodes;
-held-out (test split) success is measured greedily on the same games at the same points.
-What differs is what a recipe does with its episodes: GRPO learns from outcomes alone; RSIPO
-also writes skills (extra generation, not extra episodes), scores them by replay and teaches
-the policy with a retrieved skill in context. RSIPO's extra compute is reported (wall time),
-not equalised: the budget compared is the number of environment episodes.
+Every recipe starts from the same warm-start weights of a game, plays training episodes of
+that game, and is evaluated greedily on the same held-out games at the same points. What is
+compared is held-out success at equal numbers of *sampled episodes* (every episode a recipe
+samples counts: training episodes, and for RSIPO skill-replay and hinted re-rolls, read from
+the run's `episodes/sampled` metric; GRPO samples B x G per step).
 
-    python benchmarks/rsipo_vs_grpo.py                         # twx:twc from the SFT warm start runs/twx_twc_sft
-    python benchmarks/rsipo_vs_grpo.py --recipes all --reuse   # + every ablation (examples/rsipo_ablations/*.toml), keeping finished runs
-    python benchmarks/rsipo_vs_grpo.py --recipes grpo,rsipo,opid --seeds 0,1,2,3 --ablation-seeds 0,1
-    python benchmarks/rsipo_vs_grpo.py --gpu                   # the GPU setting: 1600 episodes per run, 200 test games
-    python benchmarks/rsipo_vs_grpo.py --tiny --out /tmp/bench  # tiny random model on toy-corridor: checks the script, seconds per run
+    python benchmarks/rsipo_vs_grpo.py --games twx:twc                 # warm_start, grpo, rsipo x seeds 0,1,2; reuses committed runs
+    python benchmarks/rsipo_vs_grpo.py --games twx:twc --recipes grpo --seeds 0      # one piece of it
+    python benchmarks/rsipo_vs_grpo.py --report                        # tables and plots from committed results alone
+    python benchmarks/rsipo_vs_grpo.py --games twx:twc --split gate --recipes grpo --seeds 0 --steps 8   # a pilot on the dev fold
+    python benchmarks/rsipo_vs_grpo.py --tiny --out /tmp/bench         # tiny random model on toy-corridor: checks the script
 
-Default setting (twx:twc, 1 location, 1 item to put away, 10 steps per game; the embedded
-SmolLM2-135M warm-started from `recursa train examples/twx_twc_sft.toml`): 6 steps x 2 games
-x 4 episodes = 48 training episodes per run, held-out success on 20 test games after 0, 24
-and 48 episodes, recipes grpo and rsipo, seeds 0, 1, 2. Measured: 64 min on 2 CPU cores, one
-run of which shared the machine with a test suite; ~46 min idle (benchmarks/README.md).
+Design (issue 12):
 
-Each run is its own subprocess (fresh interpreter and model); its run directory (metrics,
-evaluations, written skills) is kept under --runs-dir, its checkpoints are deleted unless
---keep-checkpoints (two per run of ~1.6 GB each for the 135M model). Outputs in --out:
-rsipo_vs_grpo.json, rsipo_vs_grpo.md (the table, also printed), rsipo_vs_grpo.png
-(held-out success vs training episodes: mean over seeds with a 95% t-interval, and each seed).
+* Held-out items are fixed before any run: the first `eval_n` items of the test split
+  (TWX's test fold; household's test seed range), the same for every recipe and seed.
+  Pilots that choose a budget or a learning rate use `--split gate` (the dev fold) and
+  write under `pilot/`, never into the test results.
+* Each finished run writes one small file, `<results>/<game>/<recipe>_seed<k>.json`: the
+  run's settings (`spec`), its learning curve (success on every held-out item at each
+  evaluation point, with the episodes sampled so far), diagnostics and wall time. A run
+  whose file exists with identical settings is never run again, so the benchmark can be
+  finished in pieces over several sittings (commit each file as it lands) and re-tabulated
+  from committed files alone (`--report`).
+* The summary of a game, `<results>/<game>.json`, keeps the layout
+  `recipes.<name>.seeds[].heldout.items[]` (`seed`, `success`), with `env` and `budget`;
+  `warm_start` is a recipe there: the warm start itself on the same items (greedy play is
+  deterministic, so it is evaluated once and paired with every training seed's run).
+* Paired tests over (training seed, held-out game) pairs: each recipe against `warm_start`
+  and against `grpo`, exact one-sided McNemar p and Newcombe's 95% interval on the
+  difference; because the same game appears once per training seed, a game-clustered
+  bootstrap interval (games resampled with all their seeds) is reported beside it.
+* One plot per game: pooled held-out success (Wilson 95% band over all seeds' items)
+  against sampled episodes, every recipe, the warm start as a band.
+
+Each run is its own subprocess (a fresh interpreter and model); run directories go under
+`runs/bench/<game>/` (`--runs-dir`) without their checkpoints unless `--keep-checkpoints`.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
+import random
 import shutil
 import subprocess
 import sys
@@ -44,53 +58,68 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+RESULTS = REPO / "benchmarks" / "results" / "self_improve"
 ABLATIONS_DIR = REPO / "examples" / "rsipo_ablations"
-ABLATIONS = ("opsd", "opsd_centered", "sdpo", "opid", "seed", "srpo", "scsdpo", "no_replay")
-RSIPO_SECTIONS = ("teacher", "trust", "skills")  # what an ablation config switches
+ABLATIONS = tuple(sorted(p.stem for p in ABLATIONS_DIR.glob("*.toml")))
+RSIPO_SECTIONS = ("teacher", "trust", "skills", "hints", "route")  # what an ablation config may switch
+BASE_RECIPES = ("warm_start", "grpo", "rsipo")
 
-# The shared settings of every run, as --set overrides (recipe-specific ones below).
-AGENT = {
+# The games. `sets` are the --set overrides every recipe of the game shares; `rsipo` the
+# RSIPO-only ones; B x G episodes per step; `steps` per run; held-out evaluations every
+# `eval_every` steps on `eval_n` games.
+TWX_TWC = {
     "env": "twx:twc",
+    "slug": "twx_twc",
+    "warm_start": "runs/twx_twc_sft",
+    "warm_start_cmd": "recursa train examples/twx_twc_sft.toml",
     "sets": [
         "model.name=smollm2-135m-instruct",
         'env.name="twx:twc"',
         "env.kwargs={numLocations = 1, numItemsToPutAway = 1, includeDoors = 0, max_steps = 10}",
-        "init.from_run=runs/twx_twc_sft",
         "agent.history_turns=1",  # the SFT run's prompt format
         "sampling.temperature=1.0",
         "sampling.max_new_tokens=12",
         "algo.step_advantage=gigpo",
-        "train.prompts_per_step=2",
-        "train.group_size=4",
-        "train.micro_batch_size=16",
-        "train.lr=1e-5",
+        "train.prompts_per_step=4",
+        "train.group_size=8",
+        "train.micro_batch_size=32",
+        "train.lr=2e-5",
         "run.threads=2",
     ],
     "rsipo": ["skills.write_per_group=1", "skills.candidates=4", "skills.max_new_tokens=24", "skills.replay_size=2", "skills.replay_turns=2"],
-    "steps": 6,
-    "eval_n": 20,
-    "eval_every": 3,
+    "steps": 16,
+    "eval_n": 100,
+    "eval_every": 4,
 }
-# The GPU setting: the same game and warm start at a budget a CUDA GPU makes affordable,
-# 25 steps x 8 games x 8 episodes = 1600 episodes per run, 200 test games per evaluation.
-# Not yet run (no GPU was lent to the session that wrote it): an estimate of ~10-15 min per
-# run on one H200 from the CPU profile, so ~2 h for grpo, rsipo, opsd and opid x 3 seeds.
-GPU = {
-    "env": "twx:twc",
+HOUSEHOLD = {
+    "env": "household",
+    "slug": "household",
+    "warm_start": "runs/household_sft",
+    "warm_start_cmd": "recursa train examples/household_sft.toml",
     "sets": [
-        *(s for s in AGENT["sets"] if not s.startswith(("train.prompts_per_step=", "train.group_size=", "train.micro_batch_size=", "run.threads="))),
-        "model.device=cuda",
-        "train.prompts_per_step=8",
+        "model.name=smollm2-135m-instruct",
+        'env.name="household"',
+        'env.kwargs={rooms = 1, objects_per_room = 2, distractors = 0, tasks = ["pick_and_place", "heat_then_place", "cool_then_place", "clean_then_place"], max_steps = 12}',
+        "agent.history_turns=1",
+        "sampling.temperature=1.0",
+        "sampling.max_new_tokens=12",
+        "algo.step_advantage=gigpo",
+        "train.prompts_per_step=4",
         "train.group_size=8",
-        "train.micro_batch_size=64",
+        "train.micro_batch_size=32",
+        "train.lr=2e-5",
+        "run.threads=2",
     ],
-    "rsipo": ["skills.write_per_group=2", "skills.candidates=4", "skills.max_new_tokens=32", "skills.replay_size=4", "skills.replay_turns=2"],
-    "steps": 25,
-    "eval_n": 200,
-    "eval_every": 5,
+    "rsipo": ["skills.write_per_group=1", "skills.candidates=4", "skills.max_new_tokens=24", "skills.replay_size=2", "skills.replay_turns=2"],
+    "steps": 16,
+    "eval_n": 100,
+    "eval_every": 4,
 }
 TINY = {
     "env": "toy-corridor",
+    "slug": "toy_corridor",
+    "warm_start": None,  # the tiny model's own random weights
+    "warm_start_cmd": None,
     "sets": [
         "model.name=tiny-random",
         "env.name=toy-corridor",
@@ -108,6 +137,7 @@ TINY = {
     "eval_n": 8,
     "eval_every": 2,
 }
+GAMES = {"twx:twc": TWX_TWC, "household": HOUSEHOLD}
 
 
 def _toml_value(value) -> str:
@@ -118,9 +148,9 @@ def _toml_value(value) -> str:
 
 
 def ablation_sets(name: str) -> list[str]:
-    """The switches of examples/rsipo_ablations/<name>.toml as --set overrides: the teacher /
-    trust / skills keys whose value differs from examples/rsipo_smoke.toml (the example
-    configs are the single source of truth for what each ablation changes)."""
+    """The switches of examples/rsipo_ablations/<name>.toml as --set overrides: the keys of its
+    RSIPO sections whose value differs from examples/rsipo_smoke.toml (the example configs are
+    the single source of truth for what each ablation changes)."""
     data = tomllib.loads((ABLATIONS_DIR / f"{name}.toml").read_text())
     full = tomllib.loads((REPO / "examples" / "rsipo_smoke.toml").read_text())
     sets = []
@@ -131,16 +161,29 @@ def ablation_sets(name: str) -> list[str]:
     return sets
 
 
-def recipe_spec(name: str, setting: dict) -> tuple[str, list[str]]:
+def recipe_spec(name: str, game: dict) -> tuple[str, list[str]]:
     """(recipe, --set overrides) of a benchmark entry."""
-    if name == "grpo":
+    if name in ("grpo", "warm_start"):
         return "grpo", []
     if name == "rsipo":
-        return "rsipo", list(setting["rsipo"])
+        return "rsipo", list(game["rsipo"])
     if name in ABLATIONS:
         sets = ablation_sets(name)
-        return "rsipo", (list(setting["rsipo"]) if not any(s == "skills.enabled=false" for s in sets) else []) + sets
-    raise SystemExit(f"unknown recipe {name!r}; choose from grpo, rsipo, {', '.join(ABLATIONS)} (or all)")
+        return "rsipo", (list(game["rsipo"]) if "skills.enabled=false" not in sets else []) + sets
+    raise SystemExit(f"unknown recipe {name!r}; choose from {', '.join(BASE_RECIPES)}, {', '.join(ABLATIONS)} (or all)")
+
+
+def setting_value(game: dict, key: str) -> int:
+    return int(next(s.split("=", 1)[1] for s in game["sets"] if s.startswith(key + "=")))
+
+
+def warm_start_id(game: dict) -> str | None:
+    """What identifies the warm start's weights: a hash of the config that trained them (a
+    warm start retrained from the same config on this machine has the same weights)."""
+    if game["warm_start"] is None:
+        return None
+    cfg = REPO / game["warm_start"] / "config.toml"
+    return hashlib.sha256(cfg.read_bytes()).hexdigest()[:16] if cfg.exists() else None
 
 
 # ----------------------------------------------------------------------------- one run (subprocess)
@@ -162,70 +205,120 @@ def worker(spec: dict) -> None:
     importlib.import_module(f"recursa.recipes.{spec['recipe']}").train(cfg, Path(spec["out"]), log=lambda m: print(m, flush=True))
 
 
-def run_one(name: str, seed: int, args, setting: dict, before: bool) -> dict:
-    recipe, extra = recipe_spec(name, setting)
-    out = Path(args.runs_dir) / f"{name}_seed{seed}"
-    steps = args.steps or setting["steps"]
-    eval_n = args.eval_n or setting["eval_n"]
+def run_spec(name: str, seed: int, args, game: dict) -> dict:
+    """The full settings of one run: what its result file is keyed on."""
+    recipe, extra = recipe_spec(name, game)
+    steps = 0 if name == "warm_start" else args.steps or game["steps"]
+    eval_n = args.eval_n or game["eval_n"]
+    every = args.eval_every or game["eval_every"]
     sets = [
-        *setting["sets"], *extra,
+        *game["sets"], *extra,
+        f"init.from_run={game['warm_start'] or ''}",
         f"train.steps={steps}", f"train.seed={seed}",
-        f"eval.n={eval_n}", f"eval.batch_size={eval_n}", f"eval.every={args.eval_every or setting['eval_every']}", "eval.split=test",
-        f"eval.before={'true' if before else 'false'}", "eval.after=true", "run.checkpoint_every=0",
+        f"eval.n={eval_n}", f"eval.batch_size={min(eval_n, 100)}", f"eval.every={every}", f"eval.split={args.split}",
+        "eval.before=false", "eval.after=true", "run.checkpoint_every=0",  # the warm start's own evaluation is warm_start's
     ]
-    spec = {"recipe": recipe, "sets": sets, "out": str(out), "tiny": args.tiny}
-    done_file = out / "bench.json"  # written last: its presence means the run finished
-    done = json.loads(done_file.read_text()) if args.reuse and done_file.exists() else None
-    if done is not None and done["spec"] == spec:
-        wall = done["wall_s"]
-        print(f"{name:>10} seed {seed}: reusing the finished run in {out}", flush=True)
-    else:
-        if out.exists():
-            shutil.rmtree(out)
-        t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], cwd=REPO, capture_output=True, text=True)
-        wall = time.perf_counter() - t0
-        (Path(args.runs_dir) / f"{name}_seed{seed}.log").write_text(proc.stdout + proc.stderr)
-        if proc.returncode != 0:
-            raise SystemExit(f"{name} seed {seed} failed (exit {proc.returncode}); log: {args.runs_dir}/{name}_seed{seed}.log\n{proc.stderr[-2000:]}")
-        if not args.keep_checkpoints:
-            shutil.rmtree(out / "checkpoints", ignore_errors=True)
-            shutil.rmtree(out / "incumbents", ignore_errors=True)
-        done_file.write_text(json.dumps({"spec": spec, "wall_s": wall}) + "\n")
-    B, G = _setting_value(setting, "train.prompts_per_step"), _setting_value(setting, "train.group_size")
-    curve = []
-    for path in sorted((out / "eval").glob("*.json")):
-        data = json.loads(path.read_text())
-        done = 0 if path.stem == "before" else steps if path.stem == "after" else int(path.stem.split("_")[1])
-        curve.append([done * B * G, data["success_rate"]])
-    after = json.loads((out / "eval" / "after.json").read_text())
-    print(f"{name:>10} seed {seed}: held-out success {after['success_rate']:.3f} after {steps * B * G} episodes ({wall:.0f} s)", flush=True)
-    return {"seed": seed, "heldout": after, "curve": sorted(curve), "wall_s": wall, "run_dir": str(out), "diagnostics": diagnostics(out)}
+    return {"recipe": recipe, "name": name, "seed": seed, "sets": sets, "tiny": args.tiny, "warm_start_id": warm_start_id(game)}
 
 
-# what the teacher and the skills did in a run: the step means of these metrics (NaN steps skipped)
-DIAGNOSTICS = (
-    "reward/mean", "teacher/share", "teacher/corr_delta_adv", "teacher/delta_abs_mean", "teacher/trust_applied_mean",
-    "trust/mean", "trust/agreement", "trust/trials", "skills/admitted", "skills/replay_reward_mean", "skills/len_words_mean",
-)
+def result_path(args, game: dict, name: str, seed: int) -> Path:
+    return Path(args.results) / game["slug"] / f"{name}_seed{seed}.json"
 
 
-def diagnostics(run_dir: Path) -> dict:
-    """Step means of DIAGNOSTICS from a run's metrics.jsonl, its final library size and a few of
-    the skills it wrote (newest first), read from its ledger."""
-    import sqlite3
+def _items(result: dict, keep_completion: bool = False) -> list[dict]:
+    keys = ("seed", "success", "reward", "steps") + (("completion",) if keep_completion else ())
+    return [{k: i[k] for k in keys if k in i} for i in result["items"]]
 
+
+def read_run(out: Path, spec: dict, game: dict) -> dict:
+    """The result record of a finished run directory: its curve (every evaluation, the
+    episodes sampled before it, and per-item success), diagnostics and sampled episodes."""
     from recursa.report import load_metrics
 
-    rows = load_metrics(run_dir / "metrics.jsonl")
+    rows = [r for r in load_metrics(out / "metrics.jsonl") if isinstance(r.get("step"), int)]
+    B, G = setting_value(game, "train.prompts_per_step"), setting_value(game, "train.group_size")
+    per_step: dict[int, float] = {}
+    for r in rows:  # a step's sampled episodes: the recipe's own count, else B x G (GRPO)
+        if "reward/mean" in r or "episodes/sampled" in r:
+            per_step[r["step"]] = float(r.get("episodes/sampled", per_step.get(r["step"], B * G)))
+
+    def episodes_before(done: int) -> int:  # training metrics of step k are logged as step k + 1
+        return int(sum(v for s, v in per_step.items() if s <= done))
+
+    steps = next(int(s.split("=", 1)[1]) for s in spec["sets"] if s.startswith("train.steps="))
+    curve = []
+    for path in (out / "eval").glob("*.json"):
+        data = json.loads(path.read_text())
+        at = 0 if path.stem == "before" else steps if path.stem == "after" else int(path.stem.split("_")[1])
+        curve.append({"step": at, "label": path.stem, "episodes": episodes_before(at), "success_rate": data["success_rate"],
+                      "items": _items(data, keep_completion=path.stem == "after")})
+    curve.sort(key=lambda p: (p["step"], p["label"] != "before"))
+    dedup = {}
+    for p in curve:  # 'after' and an eval.every point at the last step are the same weights
+        dedup.setdefault(p["step"], p)
+    curve = list(dedup.values())
+    after = json.loads((out / "eval" / "after.json").read_text())
+    heldout = {k: after[k] for k in ("env", "split", "n", "success_rate", "ci95", "mean_reward", "invalid_rate", "mean_steps") if k in after}
+    heldout["items"] = _items(after, keep_completion=True)
+    return {"curve": curve, "heldout": heldout, "episodes": episodes_before(steps), "diagnostics": diagnostics(rows, out)}
+
+
+def run_one(name: str, seed: int, args, game: dict) -> dict | None:
+    """A run's result record: the committed file when its settings match (always with
+    --report), else train it now and write the file. None when --report finds none."""
+    spec = run_spec(name, seed, args, game)
+    path = result_path(args, game, name, seed)
+    if path.exists():
+        done = json.loads(path.read_text())
+        if done["spec"] == spec or args.report:
+            print(f"{game['env']:>10} {name:>14} seed {seed}: committed result ({path.relative_to(REPO) if path.is_relative_to(REPO) else path})", flush=True)
+            return done
+        if not args.force:
+            print(f"{game['env']:>10} {name:>14} seed {seed}: the committed result has other settings; rerunning", flush=True)
+    if args.report:
+        return None
+    out = Path(args.runs_dir) / game["slug"] / f"{name}_seed{seed}"
+    if out.exists():
+        shutil.rmtree(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    worker_spec = {"recipe": spec["recipe"], "sets": spec["sets"], "out": str(out), "tiny": args.tiny}
+    t0 = time.perf_counter()
+    log = out.parent / f"{name}_seed{seed}.log"
+    with log.open("w") as fh:
+        proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(worker_spec)], cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, text=True)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"{name} seed {seed} failed (exit {proc.returncode}); log: {log}\n{log.read_text()[-2000:]}")
+    if not args.keep_checkpoints:
+        shutil.rmtree(out / "checkpoints", ignore_errors=True)
+        shutil.rmtree(out / "incumbents", ignore_errors=True)
+    record = {"spec": spec, "env": game["env"], "recipe": name, "seed": seed, **read_run(out, spec, game), "wall_s": round(wall, 1),
+              "finished": time.strftime("%Y-%m-%d %H:%M:%S"), "run_dir": str(out.relative_to(REPO)) if out.is_relative_to(REPO) else str(out)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=1) + "\n")
+    tmp.replace(path)
+    print(f"{game['env']:>10} {name:>14} seed {seed}: held-out success {record['heldout']['success_rate']:.3f} after "
+          f"{record['episodes']} episodes ({wall:.0f} s) -> {path}", flush=True)
+    return record
+
+
+# what the recipe did in a run: step means of these metrics (non-finite steps skipped), and of
+# every metric under these prefixes
+DIAGNOSTICS = ("reward/mean", "episodes/sampled")
+DIAGNOSTIC_PREFIXES = ("teacher/", "trust/", "skills/", "route/", "hint/", "rollout/")
+
+
+def diagnostics(rows: list[dict], run_dir: Path) -> dict:
+    """Step means of the diagnostic metrics of a run, plus a few of the skills it wrote."""
+    import sqlite3
+
+    keys = sorted({k for r in rows for k in r if k in DIAGNOSTICS or k.startswith(DIAGNOSTIC_PREFIXES)})
     out: dict = {}
-    for key in DIAGNOSTICS:
-        values = [r[key] for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+    for key in keys:
+        values = [r[key] for r in rows if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool) and math.isfinite(r[key])]
         if values:
-            out[key] = sum(values) / len(values)
-    sizes = [r["skills/library_size"] for r in rows if "skills/library_size" in r]
-    if sizes:
-        out["skills/library_size_final"] = sizes[-1]
+            out[key] = round(sum(values) / len(values), 6)
     ledger = run_dir / "ledger.sqlite"
     if ledger.exists():
         con = sqlite3.connect(ledger)
@@ -241,67 +334,137 @@ def diagnostics(run_dir: Path) -> dict:
     return out
 
 
-def _setting_value(setting: dict, key: str) -> int:
-    return int(next(s.split("=", 1)[1] for s in setting["sets"] if s.startswith(key + "=")))
+# ----------------------------------------------------------------------------- statistics
+
+
+def pairs(a: dict[tuple[int, int], bool], b: dict[tuple[int, int], bool]) -> tuple[list[bool], list[bool], list[int]]:
+    """The common (training seed, game) keys of two recipes' item maps: a's and b's success,
+    and each pair's game (the cluster of the bootstrap)."""
+    common = sorted(set(a) & set(b))
+    return [a[k] for k in common], [b[k] for k in common], [k[1] for k in common]
+
+
+def cluster_bootstrap(x: list[bool], y: list[bool], games: list[int], reps: int = 10_000, seed: int = 0) -> dict:
+    """Paired difference mean(y) - mean(x) with a game-clustered bootstrap: games are resampled
+    with replacement, each bringing all of its (training seed) pairs. Returns the 95%
+    percentile interval and the one-sided p of 'no gain' (share of resamples with diff <= 0)."""
+    by_game: dict[int, list[int]] = {}
+    for i, g in enumerate(games):
+        by_game.setdefault(g, []).append(i)
+    clusters = [(sum(int(y[i]) - int(x[i]) for i in idx), len(idx)) for idx in by_game.values()]
+    rng = random.Random(seed)
+    diffs = []
+    for _ in range(reps):
+        draw = [clusters[rng.randrange(len(clusters))] for _ in clusters]
+        diffs.append(sum(d for d, _ in draw) / sum(n for _, n in draw))
+    diffs.sort()
+    return {"ci95": (diffs[int(0.025 * reps)], diffs[int(0.975 * reps) - 1]), "p_greater": sum(d <= 0 for d in diffs) / reps}
+
+
+def compare(a_items: dict, b_items: dict) -> dict | None:
+    """b against a on their common (training seed, game) pairs: McNemar and the cluster bootstrap."""
+    from recursa.stats import paired_compare
+
+    x, y, games = pairs(a_items, b_items)
+    if not x:
+        return None
+    out = paired_compare(x, y)
+    boot = cluster_bootstrap(x, y, games)
+    return {"n": out["n"], "diff": out["diff"], "diff_ci95": list(out["diff_ci95"]), "b": out["b"], "c": out["c"],
+            "p_greater": out["p_greater"], "p_two_sided": out["p_two_sided"], "cluster_ci95": list(boot["ci95"]), "cluster_p_greater": boot["p_greater"]}
+
+
+def item_map(entry: dict, point: str = "final", episodes: int | None = None) -> dict[tuple[int, int], bool]:
+    """(training seed, held-out game seed) -> success, at the final evaluation or at the last
+    evaluation point of each seed with at most `episodes` sampled episodes."""
+    out = {}
+    for s in entry["seeds"]:
+        if point == "final":
+            items = s["heldout"]["items"]
+        else:
+            reached = [p for p in s["curve"] if p["episodes"] <= episodes]
+            if not reached:
+                continue
+            items = reached[-1]["items"]
+        for i in items:
+            out[(s["seed"], i["seed"])] = bool(i["success"])
+    return out
 
 
 # ----------------------------------------------------------------------------- summary
 
 
-def t_interval(values: list[float]) -> tuple[float, float, float]:
-    """(mean, lo, hi): 95% Student-t interval over seeds (lo = hi = mean for one seed)."""
-    from scipy import stats
+def summarise(result: dict) -> dict:
+    """Paired comparisons of every recipe against warm_start and grpo, and the episodes each
+    recipe needed to reach grpo's final pooled success (result['comparisons'])."""
+    from recursa.stats import wilson_interval
 
-    n = len(values)
-    mean = sum(values) / n
-    if n < 2:
-        return mean, mean, mean
-    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
-    half = stats.t.ppf(0.975, n - 1) * sd / math.sqrt(n)
-    return mean, mean - half, mean + half
+    recipes = result["recipes"]
+    comparisons = {}
+    for name, entry in recipes.items():
+        items = item_map(entry)
+        k, n = sum(items.values()), len(items)
+        row = {"pooled": [k, n, *wilson_interval(k, n)] if n else None}
+        for base in ("warm_start", "grpo"):
+            if base in recipes and base != name and name != "warm_start":
+                row[f"vs_{base}"] = compare(item_map(recipes[base]), items)
+        if "grpo" in recipes and name not in ("grpo", "warm_start"):
+            target = sum(item_map(recipes["grpo"]).values()) / max(len(item_map(recipes["grpo"])), 1)
+            points = sorted({p["episodes"] for s in entry["seeds"] for p in s["curve"]})
+            reach = None
+            for e in points:
+                m = item_map(entry, "curve", e)
+                if m and len(m) == n and sum(m.values()) / len(m) >= target:
+                    reach = e
+                    break
+            row["episodes_to_grpo_final"] = reach
+        comparisons[name] = row
+    return comparisons
 
 
-def summarise(result: dict) -> str:
-    from recursa.stats import paired_compare, wilson_interval
+def _fmt_cmp(c: dict | None) -> str:
+    if c is None:
+        return "-"
+    return (f"{c['diff']:+.3f} [{c['diff_ci95'][0]:+.3f}, {c['diff_ci95'][1]:+.3f}] p>={c['p_greater']:.2g}"
+            f" (games: [{c['cluster_ci95'][0]:+.3f}, {c['cluster_ci95'][1]:+.3f}] p={c['cluster_p_greater']:.2g})")
 
+
+def table(result: dict) -> str:
+    b = result["budget"]
     lines = [
-        f"# RSIPO vs GRPO on {result['env']}",
+        f"# Self-improvement on {result['env']}",
         "",
-        f"Budget per run: {result['budget']['episodes']} training episodes ({result['budget']['steps']} steps x "
-        f"{result['budget']['prompts_per_step']} tasks x {result['budget']['group_size']} episodes); held-out success on "
-        f"{result['budget']['eval_n']} test games (greedy); training seeds {result['seeds']}"
-        + (f" (ablations: {result['ablation_seeds']})" if result.get("ablation_seeds", result["seeds"]) != result["seeds"] else "") + ".",
+        f"Warm start `{result['warm_start']}`; per run {b['steps']} steps x {b['prompts_per_step']} games x {b['group_size']} episodes "
+        f"= {b['episodes']} training episodes (RSIPO's extra sampled episodes are counted in its curve); held-out: the first "
+        f"{b['eval_n']} {b['split']}-split games, greedy, the same for every run; training seeds {result['seeds']}.",
         "",
-        "| recipe | final held-out success, mean over seeds [95% t-interval] | per seed | pooled k/n [Wilson 95%] | vs grpo, paired over pooled items | s per run |",
-        "|---|---|---|---|---|---:|",
+        "| recipe | seeds | episodes sampled (mean) | final success, pooled k/n [Wilson 95%] | per seed | vs warm_start: diff [95%] one-sided McNemar p (game-clustered bootstrap) | vs grpo | s per run |",
+        "|---|---:|---:|---|---|---|---|---:|",
     ]
-    base = result["recipes"].get("grpo")
     for name, entry in result["recipes"].items():
-        finals = [s["heldout"]["success_rate"] for s in entry["seeds"]]
-        mean, lo, hi = t_interval(finals)
-        items = [i["success"] for s in entry["seeds"] for i in s["heldout"]["items"]]
-        k, n = sum(items), len(items)
-        wl, wh = wilson_interval(k, n)
-        versus = "-"
-        if base is not None and name != "grpo":
-            a = {(s["seed"], i["seed"]): i["success"] for s in base["seeds"] for i in s["heldout"]["items"]}
-            b = {(s["seed"], i["seed"]): i["success"] for s in entry["seeds"] for i in s["heldout"]["items"]}
-            common = sorted(set(a) & set(b))
-            if common:
-                cmp = paired_compare([a[c] for c in common], [b[c] for c in common])
-                versus = f"{cmp['diff']:+.3f} [{cmp['diff_ci95'][0]:+.3f}, {cmp['diff_ci95'][1]:+.3f}], McNemar p = {cmp['p_two_sided']:.3g}"
+        c = result["comparisons"][name]
+        pooled = c["pooled"]
+        per_seed = ", ".join(f"{s['heldout']['success_rate']:.2f}" for s in entry["seeds"])
+        episodes = sum(s["episodes"] for s in entry["seeds"]) / len(entry["seeds"])
         wall = sum(s["wall_s"] for s in entry["seeds"]) / len(entry["seeds"])
-        per_seed = ", ".join(f"{v:.3f}" for v in finals)
-        lines.append(f"| {name} | {mean:.3f} [{lo:.3f}, {hi:.3f}] | {per_seed} | {k}/{n} [{wl:.3f}, {wh:.3f}] | {versus} | {wall:.0f} |")
-    lines += ["", "Pooled items treat the seeds' test games as independent (the same games are replayed by every seed); "
-              "the t-interval over seeds is the honest one with few seeds.", ""]
-    shown = [k for k in DIAGNOSTICS if any(k in s.get("diagnostics", {}) for e in result["recipes"].values() for s in e["seeds"])]
-    if shown:
-        lines += ["What the teacher and the skills did (mean over steps, then over seeds):", "",
-                  "| recipe | " + " | ".join(shown) + " |", "|---|" + "---:|" * len(shown)]
+        lines.append(
+            f"| {name} | {len(entry['seeds'])} | {episodes:.0f} | {pooled[0]}/{pooled[1]} = {pooled[0] / pooled[1]:.3f} [{pooled[2]:.3f}, {pooled[3]:.3f}] "
+            f"| {per_seed} | {_fmt_cmp(c.get('vs_warm_start'))} | {_fmt_cmp(c.get('vs_grpo'))} | {wall:.0f} |"
+        )
+    reach = {n: c["episodes_to_grpo_final"] for n, c in result["comparisons"].items() if "episodes_to_grpo_final" in c}
+    if reach:
+        lines += ["", "Episodes each recipe needed to reach GRPO's final pooled success (at an evaluation point; '-' = not reached): "
+                  + ", ".join(f"{n}: {e if e is not None else '-'}" for n, e in reach.items()) + f" (GRPO: {b['episodes']})."]
+    lines += ["", "Pairs are (training seed, held-out game); the warm start's greedy play is deterministic, so its one evaluation is paired "
+              "with every seed. The clustered bootstrap resamples games (each with all its seeds), the honest interval when the same "
+              "game is played by every seed.", ""]
+    keys = sorted({k for e in result["recipes"].values() for s in e["seeds"] for k, v in s.get("diagnostics", {}).items() if isinstance(v, (int, float))})
+    keys = [k for k in keys if any(k.startswith(p) for p in ("teacher/share", "teacher/trust", "teacher/corr", "trust/mean", "skills/admitted", "skills/replay", "route/", "hint/", "episodes/", "reward/mean", "rollout/logprob"))]
+    if keys:
+        lines += ["What each recipe did (step means, then the mean over seeds):", "", "| recipe | " + " | ".join(keys) + " |", "|---|" + "---:|" * len(keys)]
         for name, entry in result["recipes"].items():
             cells = []
-            for key in shown:
+            for key in keys:
                 values = [s["diagnostics"][key] for s in entry["seeds"] if key in s.get("diagnostics", {})]
                 cells.append(f"{sum(values) / len(values):.3f}" if values else "-")
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
@@ -313,26 +476,45 @@ def plot(result: dict, path: Path) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(7.5, 4.5), dpi=100)
+    from recursa.stats import wilson_interval
+
+    fig = Figure(figsize=(8, 4.8), dpi=100)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
+    start = None  # every run starts from the warm start: its pooled success is each curve's first point
+    if "warm_start" in result["recipes"]:
+        m = item_map(result["recipes"]["warm_start"])
+        start = (sum(m.values()), len(m))
+    xmax = max((p["episodes"] for e in result["recipes"].values() for s in e["seeds"] for p in s["curve"]), default=1) or 1
     for c, (name, entry) in enumerate(result["recipes"].items()):
         color = f"C{c}"
-        points = sorted({x for s in entry["seeds"] for x, _ in s["curve"]})
-        means, los, his = [], [], []
+        if name == "warm_start":
+            m = item_map(entry)
+            k, n = sum(m.values()), len(m)
+            lo, hi = wilson_interval(k, n)
+            ax.axhline(k / n, color=color, linestyle="--", label=f"warm start ({k}/{n})")
+            ax.axhspan(lo, hi, color=color, alpha=0.1)
+            continue
+        points = sorted({p["episodes"] for s in entry["seeds"] for p in s["curve"]})
+        xs, ys, los, his = [], [], [], []
+        if start is not None and 0 not in points:
+            lo, hi = wilson_interval(*start)
+            xs.append(0), ys.append(start[0] / start[1]), los.append(lo), his.append(hi)
         for x in points:
-            ys = [y for s in entry["seeds"] for px, y in s["curve"] if px == x]
-            m, lo, hi = t_interval(ys)
-            means.append(m)
-            los.append(max(0.0, lo))
-            his.append(min(1.0, hi))
-        ax.plot(points, means, marker="o", color=color, label=f"{name} (mean of {len(entry['seeds'])} seeds)")
-        ax.fill_between(points, los, his, color=color, alpha=0.15)
+            items = [i["success"] for s in entry["seeds"] for p in s["curve"] if p["episodes"] == x for i in p["items"]]
+            if not items:
+                continue
+            k, n = sum(items), len(items)
+            lo, hi = wilson_interval(k, n)
+            xs.append(x), ys.append(k / n), los.append(lo), his.append(hi)
+        ax.plot(xs, ys, marker="o", color=color, label=f"{name} ({len(entry['seeds'])} seeds pooled)")
+        ax.fill_between(xs, los, his, color=color, alpha=0.15)
         for s in entry["seeds"]:
-            ax.plot([x for x, _ in s["curve"]], [y for _, y in s["curve"]], color=color, alpha=0.3, linewidth=0.8)
-    ax.set_xlabel("training episodes (rollouts)")
-    ax.set_ylabel("held-out success (test split, greedy)")
-    ax.set_title(f"{result['env']}: held-out success vs rollouts (95% t-interval over seeds)")
+            ax.plot([p["episodes"] for p in s["curve"]], [p["success_rate"] for p in s["curve"]], color=color, alpha=0.3, linewidth=0.8)
+    ax.set_xlim(-0.02 * xmax, 1.02 * xmax)
+    ax.set_xlabel("episodes sampled (every episode the recipe played)")
+    ax.set_ylabel(f"held-out success ({result['budget']['split']} split, greedy)")
+    ax.set_title(f"{result['env']}: held-out success vs episodes (Wilson 95% over pooled items; thin: seeds)")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(True, alpha=0.3)
     ax.legend(loc="best", fontsize=8)
@@ -345,66 +527,78 @@ def plot(result: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--games", default="twx:twc", help=f"comma-separated: {', '.join(GAMES)}")
     p.add_argument("--tiny", action="store_true", help="tiny random model on toy-corridor (checks the script; seconds per run)")
-    p.add_argument("--gpu", action="store_true", help="the GPU setting: the same game at 1600 episodes per run, 200 test games (needs a CUDA GPU)")
-    p.add_argument("--recipes", default="grpo,rsipo", help=f"comma-separated: grpo, rsipo, {', '.join(ABLATIONS)}, or all")
-    p.add_argument("--seeds", default="0,1,2", help="training seeds (>= 3 for an interval worth reading)")
-    p.add_argument("--ablation-seeds", help="training seeds of the recipes other than grpo and rsipo (default: --seeds)")
-    p.add_argument("--steps", type=int, help="training steps per run (default: the setting's)")
-    p.add_argument("--eval-n", type=int, help="held-out games per evaluation (default: the setting's)")
-    p.add_argument("--eval-every", type=int, help="evaluate every N steps, besides before and after (default: the setting's)")
-    p.add_argument("--out", default=str(REPO / "benchmarks" / "results"), help="where the JSON, table and plot go")
-    p.add_argument("--runs-dir", help="run directories (default: runs/rsipo_vs_grpo[_tiny])")
+    p.add_argument("--recipes", default=",".join(BASE_RECIPES), help=f"comma-separated: {', '.join(BASE_RECIPES)}, {', '.join(ABLATIONS)}, or all")
+    p.add_argument("--seeds", default="0,1,2", help="training seeds (at least 3)")
+    p.add_argument("--steps", type=int, help="training steps per run (default: the game's)")
+    p.add_argument("--eval-n", type=int, help="held-out games per evaluation (default: the game's)")
+    p.add_argument("--eval-every", type=int, help="evaluate every N steps, besides after (default: the game's)")
+    p.add_argument("--split", choices=("test", "gate"), default="test", help="held-out split; gate (the dev fold) is for pilots and writes under pilot/")
+    p.add_argument("--results", help="where per-run result files and the summaries go (default: benchmarks/results/self_improve[/pilot])")
+    p.add_argument("--out", help="alias of --results (the tiny check writes here)")
+    p.add_argument("--runs-dir", help="run directories (default: runs/bench)")
     p.add_argument("--keep-checkpoints", action="store_true", help="keep each run's checkpoints (large for the 135M model)")
-    p.add_argument("--reuse", action="store_true", help="reuse a finished run whose settings are identical (add recipes or seeds to a finished benchmark)")
+    p.add_argument("--report", action="store_true", help="run nothing: tables and plots from the result files present")
+    p.add_argument("--force", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         worker(json.loads(args.worker))
         return 0
 
-    setting = TINY if args.tiny else GPU if args.gpu else AGENT
-    names = ["grpo", "rsipo", *ABLATIONS] if args.recipes == "all" else [r.strip() for r in args.recipes.split(",") if r.strip()]
+    games = [TINY] if args.tiny else []
+    if not args.tiny:
+        for g in (g.strip() for g in args.games.split(",") if g.strip()):
+            if g not in GAMES:
+                print(f"error: unknown game {g!r}; choose from {', '.join(GAMES)}", file=sys.stderr)
+                return 2
+            games.append(GAMES[g])
+    names = list(dict.fromkeys(["warm_start", "grpo", "rsipo", *ABLATIONS] if args.recipes == "all" else [r.strip() for r in args.recipes.split(",") if r.strip()]))
     for name in names:
-        recipe_spec(name, setting)  # fail fast on an unknown name
+        recipe_spec(name, games[0])  # fail fast on an unknown name
     seeds = [int(s) for s in args.seeds.split(",")]
-    ablation_seeds = [int(s) for s in args.ablation_seeds.split(",")] if args.ablation_seeds else seeds
-    if not args.tiny and not (REPO / "runs" / "twx_twc_sft" / "config.toml").exists():
-        print("error: the warm start runs/twx_twc_sft is missing: train it first, recursa train examples/twx_twc_sft.toml", file=sys.stderr)
-        return 2
-    args.runs_dir = args.runs_dir or str(REPO / "runs" / ("rsipo_vs_grpo_tiny" if args.tiny else "rsipo_vs_grpo_gpu" if args.gpu else "rsipo_vs_grpo"))
-    Path(args.runs_dir).mkdir(parents=True, exist_ok=True)
-    steps = args.steps or setting["steps"]
-    B, G = _setting_value(setting, "train.prompts_per_step"), _setting_value(setting, "train.group_size")
-    result = {
-        "env": setting["env"],
-        "budget": {"steps": steps, "prompts_per_step": B, "group_size": G, "episodes": steps * B * G, "eval_n": args.eval_n or setting["eval_n"],
-                   "eval_every": args.eval_every or setting["eval_every"], "model": next(s.split("=", 1)[1] for s in setting["sets"] if s.startswith("model.name="))},
-        "seeds": seeds,
-        "ablation_seeds": ablation_seeds,
-        "settings": setting["sets"],
-        "recipes": {},
-    }
-    before = None  # the starting point is the same for every run: evaluate it once
-    for seed in seeds:  # seeds outermost, recipes alternating: slow drift of a shared machine hits all alike
-        for name in names:
-            if name not in ("grpo", "rsipo") and seed not in ablation_seeds:
-                continue
-            entry = run_one(name, seed, args, setting, before is None)
-            if before is None:
-                before = next(y for x, y in entry["curve"] if x == 0)
-            elif not any(x == 0 for x, _ in entry["curve"]):
-                entry["curve"].insert(0, [0, before])
-            result["recipes"].setdefault(name, {"recipe": recipe_spec(name, setting)[0], "sets": recipe_spec(name, setting)[1], "seeds": []})["seeds"].append(entry)
-
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "rsipo_vs_grpo.json").write_text(json.dumps(result, indent=1) + "\n")
-    table = summarise(result)
-    (out / "rsipo_vs_grpo.md").write_text(table)
-    plot(result, out / "rsipo_vs_grpo.png")
-    print(table)
-    print(f"wrote {out / 'rsipo_vs_grpo.json'}, .md and .png")
+    args.results = args.results or args.out or str(RESULTS / "pilot" if args.split == "gate" else RESULTS)
+    args.runs_dir = args.runs_dir or str(REPO / "runs" / ("bench_tiny" if args.tiny else "bench"))
+    for game in games:
+        if not args.report and game["warm_start"] and not (REPO / game["warm_start"] / "config.toml").exists():
+            print(f"error: the warm start {game['warm_start']} is missing: train it first, {game['warm_start_cmd']}", file=sys.stderr)
+            return 2
+    for game in games:
+        steps = args.steps or game["steps"]
+        B, G = setting_value(game, "train.prompts_per_step"), setting_value(game, "train.group_size")
+        result = {
+            "env": game["env"],
+            "warm_start": game["warm_start"] or "the tiny model's initial weights",
+            "budget": {"steps": steps, "prompts_per_step": B, "group_size": G, "episodes": steps * B * G, "eval_n": args.eval_n or game["eval_n"],
+                       "eval_every": args.eval_every or game["eval_every"], "split": args.split,
+                       "model": next(s.split("=", 1)[1] for s in game["sets"] if s.startswith("model.name="))},
+            "seeds": seeds,
+            "settings": game["sets"],
+            "recipes": {},
+        }
+        for seed in seeds:  # seeds outermost, recipes alternating: slow drift of a shared machine hits all alike
+            for name in names:
+                if name == "warm_start":  # deterministic: evaluated once, paired with every seed
+                    entry = run_one(name, seeds[0], args, game)
+                    if entry is not None:
+                        entry = {**entry, "seed": seed}
+                else:
+                    entry = run_one(name, seed, args, game)
+                if entry is not None:
+                    result["recipes"].setdefault(name, {"recipe": recipe_spec(name, game)[0], "sets": recipe_spec(name, game)[1], "seeds": []})["seeds"].append(entry)
+        if not result["recipes"]:
+            print(f"{game['env']}: no results yet", flush=True)
+            continue
+        result["comparisons"] = summarise(result)
+        out = Path(args.results)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{game['slug']}.json").write_text(json.dumps(result, indent=1) + "\n")
+        text = table(result)
+        (out / f"{game['slug']}.md").write_text(text)
+        plot(result, out / f"{game['slug']}.png")
+        print(text)
+        print(f"wrote {out / game['slug']}.json, .md and .png")
     return 0
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -666,25 +667,56 @@ def test_rsipo_learns_toy_task(tmp_path):
 
 
 def test_benchmark_script_tiny(tmp_path):
+    """The self-improvement benchmark end to end on the tiny model: one result file per run,
+    the summary layout (recipes.<name>.seeds[].heldout.items[]), warm_start paired with every
+    seed, curves in sampled episodes, and a rerun that reuses every committed result."""
     import subprocess
     import sys
 
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "rsipo_vs_grpo.py"), "--tiny", "--recipes", "grpo,rsipo", "--seeds", "0,1", "--steps", "2",
-         "--eval-n", "4", "--eval-every", "1", "--out", str(tmp_path / "out"), "--runs-dir", str(tmp_path / "runs")],
-        cwd=REPO, capture_output=True, text=True, timeout=900,
-    )
+    cmd = [sys.executable, str(REPO / "benchmarks" / "rsipo_vs_grpo.py"), "--tiny", "--recipes", "warm_start,grpo,rsipo", "--seeds", "0,1",
+           "--steps", "2", "--eval-n", "4", "--eval-every", "1", "--out", str(tmp_path / "out"), "--runs-dir", str(tmp_path / "runs")]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    data = json.loads((tmp_path / "out" / "rsipo_vs_grpo.json").read_text())
-    assert data["env"] == "toy-corridor" and data["budget"]["episodes"] == 2 * 2 * 4
-    assert list(data["recipes"]) == ["grpo", "rsipo"] and data["recipes"]["grpo"]["recipe"] == "grpo"
-    for entry in data["recipes"].values():
-        assert [s["seed"] for s in entry["seeds"]] == [0, 1]
-        for s in entry["seeds"]:
-            assert [x for x, _ in s["curve"]] == [0, 8, 16] and s["heldout"]["n"] == 4
-            assert not (Path(s["run_dir"]) / "checkpoints").exists()
-    assert (tmp_path / "out" / "rsipo_vs_grpo.md").read_text().startswith("# RSIPO vs GRPO on toy-corridor")
-    assert (tmp_path / "out" / "rsipo_vs_grpo.png").stat().st_size > 1000
+    data = json.loads((tmp_path / "out" / "toy_corridor.json").read_text())
+    assert data["env"] == "toy-corridor" and data["budget"]["episodes"] == 2 * 2 * 4 and data["budget"]["split"] == "test"
+    assert list(data["recipes"]) == ["warm_start", "grpo", "rsipo"] and data["recipes"]["grpo"]["recipe"] == "grpo"
+    ws = data["recipes"]["warm_start"]["seeds"]
+    assert [s["seed"] for s in ws] == [0, 1] and ws[0]["heldout"]["items"] == ws[1]["heldout"]["items"] and ws[0]["episodes"] == 0
+    for name in ("grpo", "rsipo"):
+        for s in data["recipes"][name]["seeds"]:
+            assert [p["episodes"] for p in s["curve"]] == [8, 16] and s["heldout"]["n"] == 4 and s["episodes"] >= 16
+            assert [i["seed"] for i in s["heldout"]["items"]] == [i["seed"] for i in ws[0]["heldout"]["items"]]  # the same games
+            assert not (tmp_path / "runs" / "toy_corridor" / f"{name}_seed{s['seed']}" / "checkpoints").exists()
+        assert data["comparisons"][name]["vs_warm_start"]["n"] == 8
+    assert data["comparisons"]["rsipo"]["vs_grpo"]["n"] == 8 and "vs_grpo" not in data["comparisons"]["warm_start"]
+    assert sorted(p.name for p in (tmp_path / "out" / "toy_corridor").glob("*.json")) == [
+        "grpo_seed0.json", "grpo_seed1.json", "rsipo_seed0.json", "rsipo_seed1.json", "warm_start_seed0.json"]
+    assert (tmp_path / "out" / "toy_corridor.md").read_text().startswith("# Self-improvement on toy-corridor")
+    assert (tmp_path / "out" / "toy_corridor.png").stat().st_size > 1000
+
+    shutil.rmtree(tmp_path / "runs")  # the committed result files alone rebuild everything
+    again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and again.stdout.count("committed result") == 6, again.stdout[-3000:] + again.stderr[-3000:]
+    assert not (tmp_path / "runs").exists()
+    assert json.loads((tmp_path / "out" / "toy_corridor.json").read_text())["comparisons"] == data["comparisons"]
+
+
+def test_benchmark_cluster_bootstrap_and_pairs():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("rsipo_vs_grpo", REPO / "benchmarks" / "rsipo_vs_grpo.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    a = {(0, 10): False, (1, 10): False, (0, 11): True, (1, 11): True, (0, 12): False}
+    b = {(0, 10): True, (1, 10): True, (0, 11): True, (1, 11): False, (2, 99): True}
+    x, y, games = bench.pairs(a, b)
+    assert (x, y, games) == ([False, True, False, True], [True, True, True, False], [10, 11, 10, 11])
+    # game 10 gains 2 of 2 pairs, game 11 loses 1 of 2: diff = (2 - 1) / 4. Resampling two games gives
+    # {10, 10}: 4/4 (prob 1/4), one of each: 1/4 (prob 1/2), {11, 11}: -2/4 (prob 1/4), so p(diff <= 0) = 1/4
+    boot = bench.cluster_bootstrap(x, y, games, reps=4000)
+    assert boot["ci95"] == (-0.5, 1.0) and abs(boot["p_greater"] - 0.25) < 0.03
+    cmp = bench.compare(a, b)
+    assert cmp["n"] == 4 and cmp["b"] == 2 and cmp["c"] == 1 and cmp["diff"] == 0.25
 
 
 def test_benchmark_takes_each_ablations_switches_from_its_example_config():
@@ -693,11 +725,11 @@ def test_benchmark_takes_each_ablations_switches_from_its_example_config():
     spec = importlib.util.spec_from_file_location("rsipo_vs_grpo", REPO / "benchmarks" / "rsipo_vs_grpo.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    budget = bench.AGENT["rsipo"]
-    assert bench.recipe_spec("opid", bench.AGENT) == ("rsipo", [*budget, 'trust.mode="fixed"', "trust.fixed=1.0"])
-    assert bench.recipe_spec("srpo", bench.AGENT) == ("rsipo", [*budget, 'teacher.route="failed"'])
-    assert bench.recipe_spec("opsd", bench.AGENT) == ("rsipo", ['teacher.source="reference"', "skills.enabled=false"])
-    assert bench.recipe_spec("no_replay", bench.AGENT) == ("rsipo", [*budget, "skills.replay_reward=false"])
+    budget = bench.TWX_TWC["rsipo"]
+    assert bench.recipe_spec("opid", bench.TWX_TWC) == ("rsipo", [*budget, 'trust.mode="fixed"', "trust.fixed=1.0"])
+    assert bench.recipe_spec("srpo", bench.TWX_TWC) == ("rsipo", [*budget, 'teacher.route="failed"'])
+    assert bench.recipe_spec("opsd", bench.TWX_TWC) == ("rsipo", ['teacher.source="reference"', "skills.enabled=false"])
+    assert bench.recipe_spec("no_replay", bench.TWX_TWC) == ("rsipo", [*budget, "skills.replay_reward=false"])
     for name in bench.ABLATIONS:  # every entry is a valid rsipo config with the agent setting
-        recipe, sets = bench.recipe_spec(name, bench.AGENT)
-        load_config(None, [*bench.AGENT["sets"], *sets, "init.from_run="], recipe=recipe)
+        recipe, sets = bench.recipe_spec(name, bench.TWX_TWC)
+        load_config(None, [*bench.TWX_TWC["sets"], *sets, "init.from_run="], recipe=recipe)
