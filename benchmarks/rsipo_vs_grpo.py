@@ -63,6 +63,10 @@ ABLATIONS_DIR = REPO / "examples" / "rsipo_ablations"
 ABLATIONS = tuple(sorted(p.stem for p in ABLATIONS_DIR.glob("*.toml")))
 RSIPO_SECTIONS = ("teacher", "trust", "skills", "hints", "route")  # what an ablation config may switch
 BASE_RECIPES = ("warm_start", "grpo", "rsipo")
+# Part of every run's settings: bump it when a change to recursa alters what an existing
+# configuration does (a new switch does not: its --set is part of the settings), so that
+# committed results of the old behaviour are rerun rather than reused.
+CODE_VERSION = 1
 
 # The games. `sets` are the --set overrides every recipe of the game shares; `rsipo` the
 # RSIPO-only ones; B x G episodes per step; `steps` per run; held-out evaluations every
@@ -217,8 +221,9 @@ def run_spec(name: str, seed: int, args, game: dict) -> dict:
         f"train.steps={steps}", f"train.seed={seed}",
         f"eval.n={eval_n}", f"eval.batch_size={min(eval_n, 100)}", f"eval.every={every}", f"eval.split={args.split}",
         "eval.before=false", "eval.after=true", "run.checkpoint_every=0",  # the warm start's own evaluation is warm_start's
+        *([f"model.device={args.device}"] if args.device else []),  # CPU and GPU draw different random streams: part of the settings
     ]
-    return {"recipe": recipe, "name": name, "seed": seed, "sets": sets, "tiny": args.tiny, "warm_start_id": warm_start_id(game)}
+    return {"recipe": recipe, "name": name, "seed": seed, "sets": sets, "tiny": args.tiny, "warm_start_id": warm_start_id(game), "code": CODE_VERSION}
 
 
 def result_path(args, game: dict, name: str, seed: int) -> Path:
@@ -539,6 +544,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="alias of --results (the tiny check writes here)")
     p.add_argument("--runs-dir", help="run directories (default: runs/bench)")
     p.add_argument("--keep-checkpoints", action="store_true", help="keep each run's checkpoints (large for the 135M model)")
+    p.add_argument("--device", help="model.device for every run (e.g. cuda); default: recursa's auto")
     p.add_argument("--report", action="store_true", help="run nothing: tables and plots from the result files present")
     p.add_argument("--force", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--worker", help=argparse.SUPPRESS)
