@@ -59,6 +59,7 @@ def _recipe_train(name: str):
 
 def cmd_train(args) -> int:
     from recursa.config import RECIPES, describe, load_config
+    from recursa.distributed import ddp
     from recursa.report import write_report
 
     if args.help_config:
@@ -75,6 +76,12 @@ def cmd_train(args) -> int:
             raise UserError("recursa train needs a CONFIG file (e.g. examples/smoke.toml) or --resume RUN_DIR")
         cfg = load_config(args.config, args.set)
         out = Path(args.out or cfg.run.out or f"runs/{cfg.recipe}")
+    learner = ddp.setup(cfg)  # None in one process; under torchrun, rank 0 drives and the other ranks serve updates
+    if learner is not None and not learner.is_driver:
+        ddp.serve(learner)  # never touches the run directory
+        learner.close()
+        return 0
+    if not args.resume:
         if (out / "metrics.jsonl").exists() and not args.overwrite:
             raise UserError(f"{out} already holds a run: continue it with --resume {out}, choose another --out, or pass --overwrite")
         if args.overwrite and out.exists():
@@ -87,6 +94,9 @@ def cmd_train(args) -> int:
         _recipe_train(cfg.recipe)(cfg, out, resume=bool(args.resume), progress=progress, log=console.print)
     finally:
         progress.stop()
+    if learner is not None:  # on an error instead, torchrun stops the workers with rank 0
+        learner.stop()
+        learner.close()
     report = write_report(out)
     console.print(f"run written to {out}; report: {report}")
     return 0
@@ -256,7 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--debug", action="store_true", help="show tracebacks for user errors")
     sub = p.add_subparsers(dest="command", required=True)
 
-    t = sub.add_parser("train", help="train a policy with a recipe config (TOML): grpo, rsipo, sft or rft (expert iteration)")
+    t = sub.add_parser("train", help="train a policy with a recipe config (TOML): grpo, rsipo, sft or rft (expert iteration); "
+                       "data-parallel under `torchrun --nproc_per_node N -m recursa.cli train ...`")
     t.add_argument("config", nargs="?", help="recipe config, e.g. examples/smoke.toml")
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value, e.g. --set train.lr=1e-5 (repeatable)")
     t.add_argument("--out", help="run directory (default: run.out from the config, else runs/<recipe>)")
