@@ -226,13 +226,13 @@ def supervised_step(policy: Policy, optimizer: torch.optim.Optimizer, batch: Tra
     divided by the whole batch's token count, and rank 0 steps on the summed gradient.
     """
     tc = cfg.train
+    num_tokens = int(batch.action_mask.sum().item())
+    if num_tokens == 0:
+        raise ValueError("a supervised batch needs at least one target token")
     learner.announce("supervised", batch=batch, opt_step=opt_step)
     learner.share_weights(policy)
     model = policy.causal_lm
     model.train()
-    num_tokens = int(batch.action_mask.sum().item())
-    if num_tokens == 0:
-        raise ValueError("a supervised batch needs at least one target token")
     for g in optimizer.param_groups:
         g["lr"] = lr_at(cfg, opt_step)
     optimizer.zero_grad(set_to_none=True)
