@@ -1,4 +1,4 @@
-"""Command line: `recursa train | eval | report | lineage | envs`.
+"""Command line: `recursa train | eval | export | report | lineage | envs`.
 
 Bad input (an unknown config key, a wrong type, an unknown task, a missing model file)
 exits with status 2 and one line naming the problem and the fix; `--debug` shows the
@@ -59,6 +59,7 @@ def _recipe_train(name: str):
 
 def cmd_train(args) -> int:
     from recursa.config import RECIPES, describe, load_config
+    from recursa.distributed import ddp
     from recursa.report import write_report
 
     if args.help_config:
@@ -75,6 +76,12 @@ def cmd_train(args) -> int:
             raise UserError("recursa train needs a CONFIG file (e.g. examples/smoke.toml) or --resume RUN_DIR")
         cfg = load_config(args.config, args.set)
         out = Path(args.out or cfg.run.out or f"runs/{cfg.recipe}")
+    learner = ddp.setup(cfg)  # None in one process; under torchrun, rank 0 drives and the other ranks serve updates
+    if learner is not None and not learner.is_driver:
+        ddp.serve(learner)  # never touches the run directory
+        learner.close()
+        return 0
+    if not args.resume:
         if (out / "metrics.jsonl").exists() and not args.overwrite:
             raise UserError(f"{out} already holds a run: continue it with --resume {out}, choose another --out, or pass --overwrite")
         if args.overwrite and out.exists():
@@ -87,32 +94,31 @@ def cmd_train(args) -> int:
         _recipe_train(cfg.recipe)(cfg, out, resume=bool(args.resume), progress=progress, log=console.print)
     finally:
         progress.stop()
+    if learner is not None:  # on an error instead, torchrun stops the workers with rank 0
+        learner.stop()
+        learner.close()
     report = write_report(out)
     console.print(f"run written to {out}; report: {report}")
     return 0
 
 
 def _eval_source(args):
-    """(config, model config, weights dir or None, env name, env kwargs, max_new_tokens)."""
+    """(config, model config, weights dir or None, base dir or None, env name, env kwargs, max_new_tokens)."""
     from recursa.config import ModelConfig, load_config
+    from recursa.export import run_base_dir, run_checkpoint
     from recursa.store import finished_checkpoints
 
     cfg = None
-    weights = None
+    weights = base = None
     if args.run:
         run_dir = Path(args.run)
         if not (run_dir / "config.toml").exists():
             raise UserError(f"--run {run_dir}: no config.toml there; pass a run directory written by `recursa train`")
         cfg = load_config(run_dir / "config.toml", args.set)
-        ckpts = finished_checkpoints(run_dir)
-        if args.checkpoint == "last":
-            if not ckpts:
-                raise UserError(f"{run_dir} has no checkpoint yet; evaluate the base model with --config instead")
-            weights = ckpts[-1]
-        else:
-            weights = run_dir / "checkpoints" / f"step_{int(args.checkpoint):06d}"
-            if not (weights / "state.json").exists():
-                raise UserError(f"no checkpoint {weights.name} in {run_dir}; available: {[c.name for c in ckpts]}")
+        if args.checkpoint == "last" and not finished_checkpoints(run_dir):
+            raise UserError(f"{run_dir} has no checkpoint yet; evaluate the base model with --config instead")
+        weights = run_checkpoint(run_dir, args.checkpoint)
+        base = run_base_dir(cfg) if not args.model else None  # a LoRA run's adapters sit on its warm start
     elif args.config:
         cfg = load_config(args.config, args.set)
     else:
@@ -126,7 +132,7 @@ def _eval_source(args):
         key, value = parse_override(item)
         env_kwargs[".".join(key)] = value
     max_new = args.max_new_tokens or cfg.eval.max_new_tokens or cfg.sampling.max_new_tokens
-    return cfg, model_cfg, weights, env_name, env_kwargs, max_new
+    return cfg, model_cfg, weights, base, env_name, env_kwargs, max_new
 
 
 def cmd_eval(args) -> int:
@@ -139,7 +145,7 @@ def cmd_eval(args) -> int:
     from recursa.models import load_policy
     from recursa.stats import paired_compare
 
-    cfg, model_cfg, weights, env_name, env_kwargs, max_new = _eval_source(args)
+    cfg, model_cfg, weights, base, env_name, env_kwargs, max_new = _eval_source(args)
     torch.set_num_threads(cfg.run.threads)
     pool = EnvPool(lambda: make_env(env_name, **env_kwargs))
     pool.take(1)  # fail fast on a bad task spec
@@ -149,7 +155,7 @@ def cmd_eval(args) -> int:
         if args.policy != "model":
             result = evaluate_scripted(args.policy, pool, env_name, args.split, n, seed=cfg.train.seed, label=args.label or args.policy)
         else:
-            policy = load_policy(model_cfg, weights_dir=weights)
+            policy = load_policy(model_cfg, weights_dir=weights, base_dir=base)
             result = evaluate(
                 policy,
                 pool,
@@ -205,6 +211,17 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from recursa.export import export_run
+
+    run_dir = Path(args.run_dir)
+    if not run_dir.is_dir():
+        raise UserError(f"{run_dir} is not a directory: pass a run directory written by `recursa train`")
+    out = export_run(run_dir, Path(args.out), args.checkpoint, args.dtype, args.overwrite)
+    print(f"wrote {out}: load it with AutoModelForCausalLM.from_pretrained({str(out)!r}) or vllm.LLM(model={str(out)!r})")
+    return 0
+
+
 def cmd_report(args) -> int:
     from recursa.report import write_report
 
@@ -249,7 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--debug", action="store_true", help="show tracebacks for user errors")
     sub = p.add_subparsers(dest="command", required=True)
 
-    t = sub.add_parser("train", help="train a policy with a recipe config (TOML): grpo, rsipo, sft or rft (expert iteration)")
+    t = sub.add_parser("train", help="train a policy with a recipe config (TOML): grpo, rsipo, sft or rft (expert iteration); "
+                       "data-parallel under `torchrun --nproc_per_node N -m recursa.cli train ...`")
     t.add_argument("config", nargs="?", help="recipe config, e.g. examples/smoke.toml")
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value, e.g. --set train.lr=1e-5 (repeatable)")
     t.add_argument("--out", help="run directory (default: run.out from the config, else runs/<recipe>)")
@@ -276,6 +294,14 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--json", help="write the evaluation as JSON to this file")
     e.add_argument("--compare", metavar="EVAL_JSON", help="paired exact McNemar test against an earlier evaluation on the same items")
     e.set_defaults(func=cmd_eval)
+
+    x = sub.add_parser("export", help="write a run's checkpoint as a standalone Hugging Face model directory (LoRA merged)")
+    x.add_argument("run_dir")
+    x.add_argument("--out", required=True, help="the model directory to write")
+    x.add_argument("--checkpoint", default="last", help="checkpoint step, or 'last'")
+    x.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="weights dtype of the export (auto: the run's model.dtype)")
+    x.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    x.set_defaults(func=cmd_export)
 
     r = sub.add_parser("report", help="write report.md and plots for a run")
     r.add_argument("run_dir")

@@ -176,6 +176,20 @@ class GateSettings(_Section):
     )
 
 
+class LearnerConfig(_Section):
+    """Where updates run: this process, or data-parallel across the processes `torchrun`
+    starts (recursa/distributed/ddp.py): rank 0 runs the recipe and writes the run, every
+    rank runs a slice of each update's rows, and rank 0 steps on the summed gradient."""
+
+    backend: Literal["auto", "single", "ddp"] = Field(
+        "auto", description="auto: 'ddp' when launched with WORLD_SIZE > 1 (torchrun --nproc_per_node N -m recursa.cli train ...), else 'single'",
+    )
+    dist_backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="torch.distributed backend: auto = nccl for GPUs, gloo for CPU processes")
+    timeout_minutes: int = Field(
+        360, gt=0, description="how long a collective may wait: workers wait in one while rank 0 rolls out, evaluates and gates, so keep it above the longest of those",
+    )
+
+
 class InitConfig(_Section):
     """Where the weights start: the model's own, or a finished run's (a warm start)."""
 
@@ -199,6 +213,7 @@ class RecipeBase(_Section):
     agent: AgentConfig = Field(default_factory=AgentConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     run: RunConfig = Field(default_factory=RunConfig)
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
 
 
 def _check_test_looks(cfg, steps: int) -> None:

@@ -301,7 +301,7 @@ def _load_on_cpu(cfg: "ModelConfig", dtype: torch.dtype, weights_dir: Path | Non
     if base_dir is not None:
         model = _load_into_base(model, Path(base_dir), cfg.name)
     is_lora = cfg.lora is not None
-    full_ckpt = weights_dir is not None and (weights_dir / "model.safetensors").exists()
+    full_ckpt = weights_dir is not None and has_full_weights(weights_dir)
     if full_ckpt:
         _load_full(model, weights_dir, cfg.name)
     if is_lora:
@@ -320,10 +320,33 @@ def _load_on_cpu(cfg: "ModelConfig", dtype: torch.dtype, weights_dir: Path | Non
     return model, tokenizer, is_lora
 
 
-def _load_full(model: torch.nn.Module, directory: Path, name: str) -> None:
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"  # a sharded checkpoint's map of tensor -> file
+
+
+def has_full_weights(directory: Path) -> bool:
+    """Whether `directory` holds a whole model's weights (one safetensors file or shards)."""
+    return (directory / WEIGHTS_FILE).exists() or (directory / WEIGHTS_INDEX).exists()
+
+
+def read_full_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """A whole model's tensors by their Hugging Face names, read onto the CPU from
+    model.safetensors or from the shards listed in model.safetensors.index.json."""
+    import json
+
     from safetensors.torch import load_file
 
-    state = load_file(str(directory / "model.safetensors"), device="cpu")  # copied onto the model's device by load_state_dict
+    if (directory / WEIGHTS_FILE).exists():
+        return load_file(str(directory / WEIGHTS_FILE), device="cpu")
+    index = json.loads((directory / WEIGHTS_INDEX).read_text())
+    state: dict[str, torch.Tensor] = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        state.update(load_file(str(directory / shard), device="cpu"))
+    return state
+
+
+def _load_full(model: torch.nn.Module, directory: Path, name: str) -> None:
+    state = read_full_weights(directory)  # copied onto the model's device by load_state_dict
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if k != "lm_head.weight"]
     if missing or unexpected:
@@ -333,7 +356,7 @@ def _load_full(model: torch.nn.Module, directory: Path, name: str) -> None:
 
 def _load_into_base(model: torch.nn.Module, directory: Path, name: str) -> torch.nn.Module:
     """The base model with a checkpoint's weights: full weights loaded, adapters merged."""
-    if (directory / "model.safetensors").exists():
+    if has_full_weights(directory):
         _load_full(model, directory, name)
         return model
     if (directory / "adapter_config.json").exists():
@@ -344,16 +367,18 @@ def _load_into_base(model: torch.nn.Module, directory: Path, name: str) -> torch
 
 
 def save_weights(policy: Policy, directory: Path) -> None:
-    """Save trainable weights as safetensors (adapters only under LoRA). safetensors files
-    record no device: a checkpoint written on a GPU loads on a CPU and back."""
-    directory.mkdir(parents=True, exist_ok=True)
-    if policy.is_lora:
-        policy.model.save_pretrained(str(directory), safe_serialization=True)
-    else:
-        from safetensors.torch import save_file
+    """Write `policy` as a Hugging Face model directory: config.json, generation_config.json,
+    the tokenizer files with its chat template, and the weights as safetensors with the
+    Hugging Face parameter names (model.safetensors; shards with an index above 50 GB).
 
-        state = {k: v.detach().cpu().contiguous() for k, v in policy.model.state_dict().items() if k != "lm_head.weight" or not _tied(policy.model)}
-        save_file(state, str(directory / "model.safetensors"))
+    Full-weight policies give a directory `AutoModelForCausalLM.from_pretrained` (or vLLM)
+    loads as it is. Under LoRA the weights are the adapters only (adapter_config.json,
+    adapter_model.safetensors: a peft directory over the run's base model); `recursa
+    export` merges them into a standalone model. safetensors files record no device: a
+    checkpoint written on a GPU loads on a CPU and back."""
+    directory.mkdir(parents=True, exist_ok=True)
+    policy.model.save_pretrained(str(directory), safe_serialization=True)
+    policy.tokenizer.save_pretrained(str(directory))
 
 
 def restore_weights(policy: Policy, directory: Path) -> None:
@@ -366,10 +391,6 @@ def restore_weights(policy: Policy, directory: Path) -> None:
         set_peft_model_state_dict(policy.model, load_file(str(directory / "adapter_model.safetensors"), device="cpu"))
     else:
         _load_full(policy.model, directory, policy.name)
-
-
-def _tied(model: torch.nn.Module) -> bool:
-    return bool(getattr(model.config, "tie_word_embeddings", False))
 
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:

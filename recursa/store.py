@@ -7,11 +7,14 @@ RUN_DIR/
   samples.jsonl        a few completions per step
   *.jsonl              a recipe's own step-tagged logs (expert iteration: kept.jsonl, tasks.jsonl)
   eval/*.json          held-out evaluations (before.json, after.json, step_0010.json, ...)
-  checkpoints/step_000010/
-      model.safetensors | adapter_model.safetensors   weights (adapters only under LoRA)
+  checkpoints/step_000010/   a Hugging Face model directory, plus the training state:
+      config.json, generation_config.json, tokenizer.json, tokenizer_config.json, chat_template.jinja
+      model.safetensors  weights with the HF parameter names (`from_pretrained` loads the directory);
+                         under LoRA adapter_config.json + adapter_model.safetensors instead
       optimizer.pt     AdamW state (CPU tensors: loads on any device)
-      rng.pt           torch RNG state (and the GPUs' when CUDA is in use)
+      rng.pt           torch RNG state (and the GPUs' when CUDA is in use), tensors only
       state.json       step, optimizer steps, a recipe's own state
+  incumbents/step_000008/    gated runs: accepted weights (the same HF layout) + optimizer.pt
   ledger.sqlite        evaluations and checkpoints (the source of truth for what was kept)
   report.md, plots/    written by `recursa report`
 ```
@@ -20,6 +23,13 @@ Step numbers count completed training steps: metrics of the first step carry ste
 an evaluation before training carries step 0, and a checkpoint at step k holds the state
 after k steps. Resuming from step k drops every log line with a larger step, so a resumed
 run's logs equal an uninterrupted run's.
+
+Checkpoints written before they were Hugging Face directories (a bare model.safetensors
+with the same parameter names, no config or tokenizer files) still load, resume and export:
+the model's architecture and tokenizer always come from the run's `model.name`.
+Everything a checkpoint holds is read without unpickling code (safetensors, JSON, and
+`torch.load(weights_only=True)` for the optimizer and RNG state), so opening someone
+else's run directory cannot run their code.
 """
 
 from __future__ import annotations
@@ -144,7 +154,7 @@ class RunStore:
         state = json.loads((ckpt / "state.json").read_text())
         if optimizer is not None:
             load_optimizer(optimizer, ckpt / "optimizer.pt")
-        rng = torch.load(ckpt / "rng.pt", weights_only=False, map_location="cpu")
+        rng = _load_tensors(ckpt / "rng.pt")
         torch.set_rng_state(rng["torch_rng"])
         if "cuda_rng" in rng and torch.cuda.is_available() and len(rng["cuda_rng"]) == torch.cuda.device_count():
             torch.cuda.set_rng_state_all(rng["cuda_rng"])
@@ -156,8 +166,9 @@ class RunStore:
 
 
 def write_weights(final: Path, policy, optimizer: torch.optim.Optimizer, state: dict | None = None) -> Path:
-    """Weights, optimizer state (and, with `state`, the RNG state and state.json) written to
-    `final` through a temporary directory: the directory is either complete or absent."""
+    """The policy as a Hugging Face model directory (`models.save_weights`), its optimizer
+    state (and, with `state`, the RNG state and state.json) written to `final` through a
+    temporary directory: the directory is either complete or absent."""
     from recursa.models import save_weights
 
     tmp = final.with_name(final.name + ".tmp")
@@ -180,7 +191,23 @@ def write_weights(final: Path, policy, optimizer: torch.optim.Optimizer, state: 
 def load_optimizer(optimizer: torch.optim.Optimizer, path: Path) -> None:
     """Optimizer state saved by `write_weights`, read onto the CPU; `load_state_dict` moves
     each state tensor to its parameter's device."""
-    optimizer.load_state_dict(torch.load(path, weights_only=True, map_location="cpu"))
+    optimizer.load_state_dict(_load_tensors(path))
+
+
+def _load_tensors(path: Path):
+    """A torch file of tensors and plain containers (optimizer.pt, rng.pt), read onto the CPU
+    with `weights_only=True`: a file that would need arbitrary code to unpickle is refused."""
+    import pickle
+    import re
+
+    if not path.exists():
+        raise UserError(f"{path} is missing: the checkpoint is incomplete; resume from an earlier one or start again")
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as exc:
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
+        what = f"it needs {found.group(1)}" if found else "it is not a tensors-only file"
+        raise UserError(f"{path} holds more than tensors and plain values ({what}); refusing to unpickle it, since that could run code: use a checkpoint written by recursa") from None
 
 
 def _to_cpu(obj):

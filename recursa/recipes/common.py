@@ -13,6 +13,8 @@ from typing import Callable
 import torch
 
 from recursa.config import dump_config
+from recursa.distributed import ddp
+from recursa.distributed.ddp import SINGLE, DataParallel, SingleProcess
 from recursa.envs import EnvPool, make_env
 from recursa.envs.base import split_seeds
 from recursa.errors import UserError
@@ -92,6 +94,7 @@ class OpenedRun:
     multi_turn: bool  # the task is a multi-turn game (AgentEnv)
     init_dir: Path | None  # the warm start's checkpoint (init.from_run), or None
     state: dict  # the resumed checkpoint's state.json ({} for a new run)
+    learner: DataParallel | SingleProcess = SINGLE  # where updates run: this process, or every rank under torchrun (rank 0 drives)
 
     @property
     def start_step(self) -> int:
@@ -139,11 +142,15 @@ def open_run(cfg, out: Path, resume: bool, log: Callable[[str], None], kl_refere
     elif resume:
         store.truncate_after(0)
         log(f"no checkpoint in {out}: starting from the beginning")
-    run = OpenedRun(pool, store, policy, optimizer, multi_turn, init_dir, state)
+    learner = ddp.active() or SINGLE
+    if isinstance(learner, DataParallel):
+        learner.hello(cfg, policy)  # the workers build the same model; the first update sends them these weights
+    run = OpenedRun(pool, store, policy, optimizer, multi_turn, init_dir, state, learner)
     total, trainable = count_parameters(policy.model)
     log(
         f"model {cfg.model.name}{run.origin}: {total / 1e6:.1f}M parameters, {trainable / 1e6:.1f}M trainable, "
         f"{cfg.model.dtype} on {device_name(policy.device)}; task {cfg.env.name}{detail}"
+        + (f"; data-parallel learner on {learner.world_size} processes" if learner.world_size > 1 else "")
     )
     return run
 
@@ -207,26 +214,31 @@ class SupervisedStats:
     entropy: float  # mean policy entropy at target positions (detached)
 
 
-def supervised_step(policy: Policy, optimizer: torch.optim.Optimizer, batch: TrainBatch, cfg, opt_step: int) -> SupervisedStats:
+def supervised_step(policy: Policy, optimizer: torch.optim.Optimizer, batch: TrainBatch, cfg, opt_step: int,
+                    learner: DataParallel | SingleProcess = SINGLE) -> SupervisedStats:
     """One optimizer step of maximum likelihood on the batch's target tokens.
 
     loss = -sum_{i,t} mask_it log pi(x_it | x_i<t) / sum_{i,t} mask_it   (token mean over
     the whole batch, whatever the micro-batching). `batch.action_mask` marks the targets:
     the assistant's tokens only, never the prompt. Rows are micro-batched in order of
-    length so that padding is small; the gradient does not depend on the grouping.
+    length so that padding is small; the gradient does not depend on the grouping. With a
+    `DataParallel` learner each rank runs a contiguous run of those micro-batches, still
+    divided by the whole batch's token count, and rank 0 steps on the summed gradient.
     """
     tc = cfg.train
-    model = policy.causal_lm
-    model.train()
     num_tokens = int(batch.action_mask.sum().item())
     if num_tokens == 0:
         raise ValueError("a supervised batch needs at least one target token")
+    learner.announce("supervised", batch=batch, opt_step=opt_step)
+    learner.share_weights(policy)
+    model = policy.causal_lm
+    model.train()
     for g in optimizer.param_groups:
         g["lr"] = lr_at(cfg, opt_step)
     optimizer.zero_grad(set_to_none=True)
-    order = torch.argsort(batch.attention_mask.sum(dim=1), descending=True)
+    order = learner.shard(torch.argsort(batch.attention_mask.sum(dim=1), descending=True), tc.micro_batch_size)
     loss_sum, ent_sum = 0.0, 0.0
-    for lo in range(0, len(batch), tc.micro_batch_size):
+    for lo in range(0, len(order), tc.micro_batch_size):
         mb = batch.select(order[lo : lo + tc.micro_batch_size])
         logp, ent = sequence_logprobs(model, mb.input_ids, mb.attention_mask, mb.action_mask, 1.0, tc.logit_chunk, with_entropy=True)  # (n, L)
         nll = -(logp * mb.action_mask).sum()
@@ -234,9 +246,9 @@ def supervised_step(policy: Policy, optimizer: torch.optim.Optimizer, batch: Tra
         loss_sum += float(nll.item())
         ent_sum += float((ent * mb.action_mask).sum().item())
     params = [p for p in model.parameters() if p.requires_grad]
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, tc.max_grad_norm)
-    optimizer.step()
-    return SupervisedStats(loss_sum / num_tokens, num_tokens, len(batch), float(grad_norm), ent_sum / num_tokens)
+    grad_norm = learner.step(optimizer, params, tc.max_grad_norm)
+    loss_sum, ent_sum = learner.sum_stats([loss_sum, ent_sum])
+    return SupervisedStats(loss_sum / num_tokens, num_tokens, len(batch), grad_norm, ent_sum / num_tokens)
 
 
 def batch_order(n: int, batch_size: int, generator: torch.Generator) -> list[torch.Tensor]:

@@ -35,6 +35,7 @@ from recursa.algorithms.distill import imitation_loss
 from recursa.algorithms.gigpo import step_advantages
 from recursa.algorithms.losses import ppo_clip_loss
 from recursa.config import GRPOConfig
+from recursa.distributed.ddp import SINGLE, DataParallel, SingleProcess
 from recursa.envs import split_seed
 from recursa.generation import SamplingParams, prefix_lengths, sequence_logprobs, shared_prefix_logprobs
 from recursa.models import Policy
@@ -80,12 +81,17 @@ def update(
     generator: torch.Generator,
     opt_step: int,
     imitation: Imitation | None = None,
+    learner: DataParallel | SingleProcess = SINGLE,
 ) -> UpdateStats:
     """epochs x mini-batches of PPO-clip on one rollout batch; returns averaged stats.
 
     `batch.advantages` is (N,) per row or (N, L) per token; `imitation` adds its term to
-    the loss (RSIPO). Without either generalisation this is the GRPO update."""
+    the loss (RSIPO). Without either generalisation this is the GRPO update. With a
+    `DataParallel` learner every rank runs its slice of each mini-batch's rows and rank 0
+    steps (`recursa.distributed.ddp`); the stats are the whole batch's, on rank 0."""
     tc, ac = cfg.train, cfg.algo
+    learner.announce("update", batch=batch, generator=generator.get_state(), opt_step=opt_step, imitation=imitation)
+    learner.share_weights(policy)  # workers start from rank 0's weights (a rollback or resume included)
     model = policy.causal_lm
     temperature = cfg.sampling.temperature
     n = len(batch)
@@ -96,11 +102,11 @@ def update(
     elif single_update:
         logp_old_all = None  # on-policy: the current forward, detached, is the old policy
     else:
-        logp_old_all = _score(logprobs, model, batch, temperature, tc.micro_batch_size, tc.logit_chunk)
+        logp_old_all = _score(logprobs, model, batch, temperature, tc.micro_batch_size, tc.logit_chunk, learner)
     logp_ref_all = None
     if ac.kl_coef > 0:
         with policy.reference_context() as ref:
-            logp_ref_all = _score(logprobs, ref, batch, temperature, tc.micro_batch_size, tc.logit_chunk)
+            logp_ref_all = _score(logprobs, ref, batch, temperature, tc.micro_batch_size, tc.logit_chunk, learner)
 
     model.train()
     out = UpdateStats()
@@ -112,6 +118,8 @@ def update(
         order = torch.cat([groups[int(g)] for g in torch.randperm(len(groups), generator=generator, device="cpu")])  # (N,) on the batch's device
         for m in range(tc.mini_batches):
             mb_idx = order[m * n // tc.mini_batches : (m + 1) * n // tc.mini_batches]  # every row, also when n % mini_batches != 0 (games)
+            if out.opt_steps:
+                learner.share_weights(policy)  # every rank runs this mini-batch at the weights after the last step
             num_tokens = int(batch.action_mask[mb_idx].sum().item())
             for g in optimizer.param_groups:
                 g["lr"] = lr_at(cfg, opt_step)
@@ -128,8 +136,9 @@ def update(
                     live = live | (imitation.weights[mb_idx] != 0).any(dim=1)
                 work = mb_idx[live]
             out.rows_run += len(work)
-            for lo in range(0, len(work), tc.micro_batch_size):
-                idx = work[lo : lo + tc.micro_batch_size]
+            mine = learner.shard(work, tc.micro_batch_size)  # this rank's run of whole micro-batches (all of them in one process)
+            for lo in range(0, len(mine), tc.micro_batch_size):
+                idx = mine[lo : lo + tc.micro_batch_size]
                 mb = batch.select(idx)
                 logp, ent = logprobs(model, mb.input_ids, mb.attention_mask, mb.action_mask, temperature, tc.logit_chunk, with_entropy=True)
                 L = logp.shape[1]
@@ -166,12 +175,14 @@ def update(
                 for p in model.parameters():
                     if p.requires_grad:
                         p.grad = torch.zeros_like(p)
-            grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], tc.max_grad_norm)
-            optimizer.step()
+            # clip the global norm and step (data-parallel: the gradients summed onto rank 0 first)
+            out.grad_norm += learner.step(optimizer, [p for p in model.parameters() if p.requires_grad], tc.max_grad_norm)
             opt_step += 1
-            out.grad_norm += float(grad_norm)
             out.opt_steps += 1
             n_stats += 1
+    out.loss, out.clip_frac, out.kl, out.approx_kl_old, ent_sum, ent_tokens = learner.sum_stats(
+        [out.loss, out.clip_frac, out.kl, out.approx_kl_old, ent_sum, ent_tokens])
+    out.ratio_max = learner.max_stat(out.ratio_max)
     for name in ("loss", "clip_frac", "kl", "approx_kl_old", "grad_norm"):
         setattr(out, name, getattr(out, name) / max(n_stats, 1))
     out.entropy = ent_sum / ent_tokens if ent_tokens else float("nan")  # over the rows run
@@ -240,17 +251,20 @@ def prompt_groups(batch: TrainBatch) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-def _score(logprobs, model, batch: TrainBatch, temperature: float, micro: int, chunk: int) -> torch.Tensor:
+def _score(logprobs, model, batch: TrainBatch, temperature: float, micro: int, chunk: int,
+           learner: DataParallel | SingleProcess = SINGLE) -> torch.Tensor:
     """Log-probs of the batch's action tokens under `model` with the update's own
-    log-prob function, (N, L), no gradient."""
+    log-prob function, (N, L), no gradient; data-parallel, each rank scores its slice of
+    the rows and the table is summed across ranks."""
     model.eval()
     out = torch.zeros_like(batch.sample_logprobs)
-    for lo in range(0, len(batch), micro):
-        idx = torch.arange(lo, min(lo + micro, len(batch)), device=batch.device)
+    rows = learner.shard(torch.arange(len(batch), device=batch.device), micro)
+    for lo in range(0, len(rows), micro):
+        idx = rows[lo : lo + micro]
         mb = batch.select(idx)
         logp, _ = logprobs(model, mb.input_ids, mb.attention_mask, mb.action_mask, temperature, chunk)
         out[idx, : logp.shape[1]] = logp
-    return out
+    return learner.sum_rows(out)
 
 
 def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress | None = None, log: Callable[[str], None] = print) -> Path:
@@ -294,7 +308,7 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
             row_advantages = advantages.view(-1)
             failures.extend((t.prompt_text, t.completion_text) for t in trajs if not t.success)
         batch = collate(trajs, row_advantages, policy.tokenizer.pad_token_id, policy.device)
-        st = update(policy, optimizer, batch, cfg, gen, opt_step)
+        st = update(policy, optimizer, batch, cfg, gen, opt_step, learner=run.learner)
         opt_step += st.opt_steps
         t2 = time.perf_counter()
 

@@ -37,6 +37,7 @@ from typing import Callable
 import torch
 
 from recursa.config import RFTConfig
+from recursa.distributed.ddp import SINGLE, DataParallel, SingleProcess
 from recursa.envs import EnvPool, split_seed
 from recursa.generation import SamplingParams
 from recursa.recipes.common import (
@@ -151,14 +152,15 @@ def _row_from_record(d: dict, env: str) -> Trajectory:
     return Trajectory(env, d["seed"], 0, d["token_ids"], d["action_mask"], [0.0] * n, d["reward"], True, d["text"], "", "kept", {})
 
 
-def finetune(policy, optimizer, rows: list[Trajectory], cfg: RFTConfig, gen: torch.Generator, opt_step: int) -> tuple[int, float]:
+def finetune(policy, optimizer, rows: list[Trajectory], cfg: RFTConfig, gen: torch.Generator, opt_step: int,
+             learner: DataParallel | SingleProcess = SINGLE) -> tuple[int, float]:
     """`train.epochs` passes over `rows`; returns the optimizer step count and mean loss."""
     pad = policy.tokenizer.pad_token_id
     losses = []
     for _ in range(cfg.train.epochs):
         for idx in batch_order(len(rows), cfg.train.batch_size, gen):
             chosen = [rows[int(i)] for i in idx]
-            st = supervised_step(policy, optimizer, collate(chosen, torch.zeros(len(chosen), device="cpu"), pad, policy.device), cfg, opt_step)
+            st = supervised_step(policy, optimizer, collate(chosen, torch.zeros(len(chosen), device="cpu"), pad, policy.device), cfg, opt_step, learner)
             opt_step += 1
             losses.append(st.loss)
     return opt_step, (sum(losses) / len(losses) if losses else float("nan"))
@@ -207,7 +209,7 @@ def train(cfg: RFTConfig, out: Path, resume: bool = False, progress: Progress | 
         buffer = buffer + new_rows if rc.accumulate else new_rows
         loss = float("nan")
         if buffer:
-            opt_step, loss = finetune(policy, optimizer, buffer, cfg, gen, opt_step)
+            opt_step, loss = finetune(policy, optimizer, buffer, cfg, gen, opt_step, run.learner)
         t2 = time.perf_counter()
 
         metrics = {

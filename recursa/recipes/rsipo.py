@@ -683,7 +683,7 @@ def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress 
             imitation = Imitation(full, tc.lam)
             teacher_metrics["teacher/imitation_weight_mean"] = (weights.sum() / teacher_mask.sum().clamp_min(1)).item()
 
-        st = update(policy, optimizer, batch, cfg, gen, opt_step, imitation)
+        st = update(policy, optimizer, batch, cfg, gen, opt_step, imitation, learner=run.learner)
         opt_step += st.opt_steps
         t4 = time.perf_counter()
 

@@ -74,7 +74,7 @@ def train(cfg: SFTConfig, out: Path, resume: bool = False, progress: Progress | 
             t1 = time.perf_counter()
             chosen = [rows[int(i)] for i in idx]
             batch = collate(chosen, torch.zeros(len(chosen), device="cpu"), pad, policy.device)
-            st = supervised_step(policy, optimizer, batch, cfg, opt_step)
+            st = supervised_step(policy, optimizer, batch, cfg, opt_step, learner=run.learner)
             opt_step += 1
             dt = time.perf_counter() - t1
             losses.append(st.loss)

@@ -1,0 +1,1 @@
+"""Running recursa across processes: `ddp` (the data-parallel learner)."""

@@ -1,0 +1,127 @@
+"""`recursa export`: a run's checkpoint as a standalone Hugging Face model directory.
+
+    run_dir/config.toml  -> the model the run trained (model.name, LoRA settings, warm start)
+    checkpoint           -> its weights: full weights, or LoRA adapters over the base
+    load                 -> the policy exactly as `recursa eval --run` and a resumed run see it
+    merge                -> LoRA adapters merged into the base weights (W + scale * B A)
+    write                -> config.json, generation_config.json, model.safetensors, tokenizer
+                            files with the chat template, written through a temporary
+                            directory (complete or absent)
+
+The result is what `AutoModelForCausalLM.from_pretrained(DIR)` and vLLM's `LLM(model=DIR)`
+read: a plain `*ForCausalLM` with no recursa or peft code needed. A full-weight checkpoint
+already is such a directory; exporting it still helps when the checkpoint predates the
+format, or to change the dtype (`--dtype bfloat16` halves the files for serving).
+
+config.json also carries `rope_theta` (and `torch_dtype`) at the top level, beside
+transformers 5's `rope_parameters` (and `dtype`), so readers built on transformers 4, as
+some vLLM releases are, get the same rotary base instead of their default.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from recursa.errors import UserError
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def run_checkpoint(run_dir: Path, checkpoint: str = "last") -> Path:
+    """The finished checkpoint `checkpoint` ('last' or a step number) of the run in `run_dir`;
+    a one-line UserError when the run, its checkpoints or the asked step are missing."""
+    from recursa.store import finished_checkpoints
+
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.toml").exists():
+        raise UserError(f"{run_dir}: no config.toml there; pass a run directory written by `recursa train`")
+    done = finished_checkpoints(run_dir)
+    if checkpoint == "last":
+        if not done:
+            raise UserError(f"{run_dir} has no finished checkpoint yet: let the run reach one (run.checkpoint_every) or resume it")
+        return done[-1]
+    if not str(checkpoint).isdigit():
+        raise UserError(f"--checkpoint {checkpoint!r}: give 'last' or a step number, one of {[int(c.name[5:]) for c in done]}")
+    want = run_dir / "checkpoints" / f"step_{int(checkpoint):06d}"
+    if want not in done:
+        raise UserError(f"no finished checkpoint {want.name} in {run_dir}; available steps: {[int(c.name[5:]) for c in done]}")
+    return want
+
+
+def run_base_dir(cfg) -> Path | None:
+    """The warm start a LoRA run's adapters sit on (`init.from_run`), else None: a full-weight
+    checkpoint replaces every weight, so its warm start is not needed to load it."""
+    if cfg.model.lora is None or not cfg.init.from_run:
+        return None
+    from recursa.recipes.common import init_weights_dir
+
+    return init_weights_dir(cfg)
+
+
+def load_run_policy(run_dir: Path, checkpoint: str = "last", device: str = "cpu"):
+    """(config, checkpoint dir, policy) of a run's checkpoint, loaded on `device`."""
+    from recursa.config import load_config
+    from recursa.models import load_policy
+
+    ckpt = run_checkpoint(run_dir, checkpoint)
+    cfg = load_config(Path(run_dir) / "config.toml")
+    model_cfg = cfg.model.model_copy(update={"device": device})
+    return cfg, ckpt, load_policy(model_cfg, weights_dir=ckpt, base_dir=run_base_dir(cfg))
+
+
+def export_run(run_dir: Path, out: Path, checkpoint: str = "last", dtype: str = "auto", overwrite: bool = False) -> Path:
+    """Write the run's checkpoint to `out` as a standalone Hugging Face model directory
+    (LoRA merged); `dtype` 'auto' keeps the run's `model.dtype`."""
+    out = Path(out)
+    if dtype not in DTYPES:
+        raise UserError(f"--dtype {dtype!r}: choose one of {list(DTYPES)}")
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise UserError(f"{out} exists and is not empty: choose another --out or pass --overwrite")
+    cfg, ckpt, policy = load_run_policy(run_dir, checkpoint)
+    model = policy.model.merge_and_unload() if policy.is_lora else policy.model
+    if dtype != "auto":
+        model = model.to(getattr(torch, dtype))
+    model.config.use_cache = True
+    tmp = out.with_name(out.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    model.save_pretrained(str(tmp), safe_serialization=True)
+    policy.tokenizer.save_pretrained(str(tmp))
+    _add_legacy_keys(tmp / "config.json")
+    _chat_template_in_tokenizer_config(tmp / "tokenizer_config.json", policy.tokenizer.chat_template)
+    (tmp / "recursa_export.json").write_text(json.dumps({
+        "run": str(Path(run_dir).resolve()), "checkpoint": ckpt.name, "model": cfg.model.name,
+        "lora_merged": policy.is_lora, "dtype": str(model.dtype).removeprefix("torch."),
+    }, indent=1) + "\n")
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return out
+
+
+def _add_legacy_keys(path: Path) -> None:
+    """Top-level `rope_theta` / `rope_scaling` and `torch_dtype` beside transformers 5's
+    `rope_parameters` and `dtype`, for readers on transformers 4 (see the module doc)."""
+    config = json.loads(path.read_text())
+    rope = config.get("rope_parameters")
+    if isinstance(rope, dict) and "rope_theta" in rope and "rope_theta" not in config:
+        config["rope_theta"] = rope["rope_theta"]
+        if rope.get("rope_type", "default") != "default" and "rope_scaling" not in config:
+            config["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    if "dtype" in config and "torch_dtype" not in config:
+        config["torch_dtype"] = config["dtype"]
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _chat_template_in_tokenizer_config(path: Path, template: str | None) -> None:
+    """The chat template also inside tokenizer_config.json (older tokenizer readers look
+    there; transformers 5 writes it to chat_template.jinja)."""
+    if not template or not path.exists():
+        return
+    config = json.loads(path.read_text())
+    config.setdefault("chat_template", template)
+    path.write_text(json.dumps(config, indent=2) + "\n")
