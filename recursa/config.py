@@ -266,8 +266,8 @@ class TeacherConfig(_Section):
         "same game (same seed, this step's group or the replay buffer) and weight its teacher term 1 from that turn on ('from') or at that turn only ('at'), "
         "critical_before elsewhere; off: every turn alike (recursa.algorithms.routing.divergence_turn)",
     )
-    critical_before: float = Field(0.0, ge=0, description="teacher.critical: weight of the teacher term on a failed episode's turns before its divergence turn (and after it, in mode 'at')")
-    critical_unmatched: float = Field(1.0, ge=0, description="teacher.critical: weight of the teacher term on a failed episode with no winning episode of its game to compare with")
+    critical_before: float = Field(0.0, ge=0, le=1, description="teacher.critical: weight of the teacher term on a failed episode's turns before its divergence turn (and after it, in mode 'at')")
+    critical_unmatched: float = Field(1.0, ge=0, le=1, description="teacher.critical: weight of the teacher term on a failed episode with no winning episode of its game to compare with")
 
 
 class TrustSettings(_Section):
