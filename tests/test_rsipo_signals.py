@@ -13,7 +13,6 @@ import pytest
 import torch
 
 import recursa.recipes.rsipo as rsipo
-from recursa.agent import AgentConfig
 from recursa.algorithms.distill import imitation_loss
 from recursa.config import load_config
 from recursa.envs import EnvPool, StepResult, make_env, register_env

@@ -81,6 +81,7 @@ there explicitly where they join them.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
@@ -753,15 +754,16 @@ def hinted_rerolls(policy: Policy, pool: EnvPool, played: Played, seeds: list[in
             rows.append((prompt, list(actions), i))
     scores = score_actions(policy, pairs, cfg)  # log pi_old under the un-hinted and the hinted prompt, per row
     width = max([len(a) for _, a, _ in rows] + [1])
-    mask = torch.zeros(len(rows), width)  # (rows, width) the action tokens, left-aligned
-    logp_u, logp_h = torch.zeros(len(rows), width), torch.zeros(len(rows), width)
+    host = torch.device("cpu")  # the hinted rows' advantages are built on the host, like the outcome advantages
+    mask = torch.zeros(len(rows), width, device=host)  # (rows, width) the action tokens, left-aligned
+    logp_u, logp_h = torch.zeros(len(rows), width, device=host), torch.zeros(len(rows), width, device=host)
     for r, (_, actions, _) in enumerate(rows):
         n = len(actions)
         mask[r, :n] = 1
         logp_u[r, :n], logp_h[r, :n] = scores[2 * r].cpu(), scores[2 * r + 1].cpu()
     baseline = played.rewards.mean(dim=1)  # (B,) the un-hinted group's mean reward
-    row_reward = torch.tensor([rewards[i] for _, _, i in rows], dtype=torch.float32)
-    row_base = torch.tensor([float(baseline[chosen[i // k][0]]) for _, _, i in rows], dtype=torch.float32)
+    row_reward = torch.tensor([rewards[i] for _, _, i in rows], dtype=torch.float32, device=host)  # (rows,) R
+    row_base = torch.tensor([float(baseline[chosen[i // k][0]]) for _, _, i in rows], dtype=torch.float32, device=host)  # (rows,) b
     weights = truncated_importance_weights(logp_u, logp_h, mask, hc.is_cap)  # (rows, width)
     adv = hinted_token_advantages(row_reward, row_base, weights, coef, mask)  # (rows, width)
     for r, (prompt, actions, i) in enumerate(rows):
@@ -774,9 +776,9 @@ def hinted_rerolls(policy: Policy, pool: EnvPool, played: Played, seeds: list[in
     out.metrics.update({
         "hatch/episodes": float(len(attempts)),
         "hatch/win_rate": sum(a.success for a in attempts) / len(attempts),
-        "hatch/reward_gain": (torch.tensor(rewards) - torch.tensor([float(baseline[chosen[i // k][0]]) for i in range(len(attempts))])).mean().item(),
+        "hatch/reward_gain": sum(rewards[i] - float(baseline[chosen[i // k][0]]) for i in range(len(attempts))) / len(attempts),
         "hatch/is_weight_mean": weights[keep].mean().item() if keep.any() else float("nan"),
-        "hatch/is_truncated_frac": (logp_u - logp_h >= torch.log(torch.tensor(hc.is_cap)))[keep].float().mean().item() if keep.any() else float("nan"),
+        "hatch/is_truncated_frac": (logp_u - logp_h >= math.log(hc.is_cap))[keep].float().mean().item() if keep.any() else float("nan"),
         "hatch/logp_gain": (logp_h - logp_u)[keep].mean().item() if keep.any() else float("nan"),
         "hatch/adv_abs_mean": adv[keep].abs().mean().item() if keep.any() else float("nan"),
         "hatch/rows": float(len(rows)),
@@ -888,8 +890,8 @@ def teach(policy: Policy, played: Played, skills: SkillStep, library: SkillLibra
     metrics: dict[str, float] = {}
     if tc.critical != "off":  # the failed episodes' turns from where they left a winning path
         weights, metrics = critical_row_weights(attempts, buffer, cfg)
-        trust_rows = trust_rows * torch.tensor(weights, device=dev)
-        metrics["teacher/critical_rows_frac"] = (torch.tensor(weights) > 0).float().mean().item()
+        trust_rows = trust_rows * torch.tensor(weights, device=dev)  # (n,)
+        metrics["teacher/critical_rows_frac"] = sum(w > 0 for w in weights) / max(len(weights), 1)
     # this step's agreement trials: sign of the attempt's mean Delta vs its outcome advantage
     row_attempt_idx = torch.tensor(row_attempt, device=dev)  # (n,)
     sums = torch.zeros(len(attempts), device=dev).index_add(0, row_attempt_idx, (delta * mask).sum(1))
