@@ -266,8 +266,10 @@ def test_contrastive_writing_in_the_recipe(tmp_path, monkeypatch):
     monkeypatch.setattr(rsipo, "parse_skill", _valid(text))
     prompts, real = [], rsipo.generate
     monkeypatch.setattr(rsipo, "generate", lambda model, tok, ps, *a, **k: prompts.extend(tok.decode(p) for p in ps) or real(model, tok, ps, *a, **k))
+    sources, real_trials = [], rsipo.agreement_trials
+    monkeypatch.setattr(rsipo, "agreement_trials", lambda g, d, o, is_source, t: sources.append(is_source) or real_trials(g, d, o, is_source, t))
     cfg = _cfg("env.name=toy-coin", "train.steps=1", "train.prompts_per_step=2", "train.group_size=4", "skills.contrastive=true", "skills.candidates=2",
-               "sampling.max_new_tokens=6")
+               "sampling.max_new_tokens=6", "skills.write_per_group=1")
     run = rsipo.train(cfg, tmp_path / "contrast", log=lambda *_: None)
     (row,) = _train_rows(run)
     mixed = int(row["route/mixed"])
@@ -276,7 +278,9 @@ def test_contrastive_writing_in_the_recipe(tmp_path, monkeypatch):
     assert sum("SUCCESSFUL ATTEMPT" in p and "FAILED ATTEMPT" in p for p in writing) == mixed
     assert sum(r.get("contrast", False) for r in _rows(run, "skills")) == 2 * mixed
     (skill,) = SkillLibrary(run / "ledger.sqlite").active()
-    assert skill.source_outcome == "contrast"
+    assert (skill.source_outcome == "contrast") == bool(_rows(run, "skills")[0].get("contrast"))  # one text: the first admission's provenance
+    last = _rows(run, "skills")[-1]  # the source the skill's id points to last: its trials skip it, and its partner when contrastive
+    assert sum(sources[0]) == (2 if last.get("contrast") else 1)
 
 
 def test_curator_rejects_single_actions_in_the_recipe(tmp_path, monkeypatch):

@@ -450,7 +450,8 @@ class SkillStep:
 
     rows: list[Trajectory] = field(default_factory=list)  # writing prompt + candidate tokens, trained when rewarded
     advantages: torch.Tensor = field(default_factory=lambda: torch.zeros(0, device="cpu"))  # (len(rows),) coef x group-normalised reward, host
-    admitted: dict[int, tuple[int, ...]] = field(default_factory=dict)  # skill id -> the attempts it was written from
+    admitted: dict[int, int] = field(default_factory=dict)  # skill id -> the attempt it was written from
+    partners: dict[int, int] = field(default_factory=dict)  # skill id -> the success shown beside that attempt (skills.contrastive)
     log: list[dict] = field(default_factory=list)  # one record per candidate (skills.jsonl)
     metrics: dict[str, float] = field(default_factory=dict)
     rescored: int = 0  # buffer attempts replayed (re-scored, not played again)
@@ -512,8 +513,11 @@ def learn_skills(policy: Policy, attempts: list[Attempt], buffer: list[Attempt],
             outcome = "contrast" if partner is not None else ("success" if src.success else "failure")
             sid, how = admit(library, cands[best].text, None if r is None else float(r[best]), src, outcome, cfg, step)
             admissions[how] += 1
-            if sid is not None:
-                out.admitted[sid] = (j,) if partner is None else (j, partner)
+            if sid is not None:  # (a text admitted again from another source now points there)
+                out.admitted[sid] = j
+                out.partners.pop(sid, None)
+                if partner is not None:
+                    out.partners[sid] = partner
         adv = group_normalise(r) * sc.coef if (r is not None and sc.coef > 0) else None  # (K,)
         prompt = writing.prompts[s]
         for k in range(K):
@@ -903,7 +907,7 @@ def teach(policy: Policy, played: Played, skills: SkillStep, library: SkillLibra
         mean_delta = mean_delta - offset
         delta = (delta - offset[row_attempt_idx][:, None]) * mask * has_hint[:, None]
     outcome = played.advantages.reshape(-1).to(dev)  # (attempts,)
-    is_source = [a in skills.admitted.get(g, ()) if isinstance(g, int) else False for a, g in enumerate(groups)]
+    is_source = [skills.admitted.get(g) == a or skills.partners.get(g) == a for a, g in enumerate(groups)]  # the skill agrees with them by construction
     trials = agreement_trials(groups, mean_delta.tolist(), outcome.tolist(), is_source, cfg.trust.threshold)
     trust.update(trials)
     counts_now = {g: (a_g, n_g) for g, a_g, n_g, _ in trust.state_dict()["groups"]}
@@ -1139,8 +1143,8 @@ def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress 
         times.append(time.perf_counter())
 
         # ---- teacher: Delta on every row whose task has a hint, the trust applied, this step's trials
-        batch = collate(played.rows + skills.rows + hinted.rows + wins.rows, torch.zeros(len(played.rows) + len(skills.rows) + len(hinted.rows) + len(wins.rows), device="cpu"),
-                        policy.tokenizer.pad_token_id, policy.device)
+        rows = played.rows + skills.rows + hinted.rows + wins.rows  # the policy's rows first; each part is averaged over its own tokens
+        batch = collate(rows, torch.zeros(len(rows), device="cpu"), policy.tokenizer.pad_token_id, policy.device)
         taught = teach(policy, played, skills, library, trust, pool, list(buffer), routes, batch.action_mask[: len(played.rows)], cfg, system, multi_turn, step + 1)
         times.append(time.perf_counter())
 
