@@ -253,6 +253,8 @@ def read_run(out: Path, spec: dict, game: dict) -> dict:
     steps = next(int(s.split("=", 1)[1]) for s in spec["sets"] if s.startswith("train.steps="))
     curve = []
     for path in (out / "eval").glob("*.json"):
+        if not (path.stem in ("before", "after") or path.stem.startswith("step_")):
+            continue  # e.g. after_skills.json: the same weights with the skill library (read as diagnostics)
         data = json.loads(path.read_text())
         at = 0 if path.stem == "before" else steps if path.stem == "after" else int(path.stem.split("_")[1])
         curve.append({"step": at, "label": path.stem, "episodes": episodes_before(at), "success_rate": data["success_rate"],
@@ -265,7 +267,12 @@ def read_run(out: Path, spec: dict, game: dict) -> dict:
     after = json.loads((out / "eval" / "after.json").read_text())
     heldout = {k: after[k] for k in ("env", "split", "n", "success_rate", "ci95", "mean_reward", "invalid_rate", "mean_steps") if k in after}
     heldout["items"] = _items(after, keep_completion=True)
-    return {"curve": curve, "heldout": heldout, "episodes": episodes_before(steps), "diagnostics": diagnostics(rows, out)}
+    record = {"curve": curve, "heldout": heldout, "episodes": episodes_before(steps), "diagnostics": diagnostics(rows, out)}
+    for extra in ("after_skills", "after_no_skills"):  # skills.eval_both: the final policy with / without its library
+        if (out / "eval" / f"{extra}.json").exists():
+            data = json.loads((out / "eval" / f"{extra}.json").read_text())
+            record[extra] = {"success_rate": data["success_rate"], "items": _items(data)}
+    return record
 
 
 def run_one(name: str, seed: int, args, game: dict) -> dict | None:

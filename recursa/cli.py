@@ -135,6 +135,50 @@ def _eval_source(args):
     return cfg, model_cfg, weights, base, env_name, env_kwargs, max_new
 
 
+def _eval_hints(args, cfg, weights, env_name: str, pool, n: int):
+    """`recursa eval --skills`: (one hint per evaluated seed, a line saying what was shown), or
+    (None, "") for --skills off. The library is the snapshot stored with a checkpoint of an
+    RSIPO run: the evaluated --run's checkpoint (on) or RUN_DIR's last one; each item is shown
+    its task's best skill, retrieved as RSIPO's skills.in_context does during training."""
+    import json
+
+    from recursa.config import load_config
+    from recursa.envs.base import split_seeds
+    from recursa.recipes.rsipo import task_hints
+    from recursa.rollout import is_agent_env
+    from recursa.skills import SkillLibrary
+    from recursa.store import finished_checkpoints
+
+    if args.skills == "off":
+        return None, ""
+    if args.policy != "model":
+        raise UserError(f"--skills shows skills to the model; --policy {args.policy} does not read prompts: drop --skills or use --policy model")
+    if args.skills == "on":
+        if weights is None:
+            raise UserError("--skills on reads the library of the run being evaluated: pass --run RUN_DIR (an rsipo run), or --skills RUN_DIR")
+        source, ckpt, run_cfg = Path(args.run), weights, cfg
+    else:
+        source = Path(args.skills)
+        if not (source / "config.toml").exists():
+            raise UserError(f"--skills {source}: no run there (no config.toml); pass on, off or the directory of an rsipo run")
+        run_cfg = load_config(source / "config.toml")
+        ckpts = finished_checkpoints(source)
+        if not ckpts:
+            raise UserError(f"--skills {source}: the run has no finished checkpoint, so no stored library yet")
+        ckpt = ckpts[-1]
+    if run_cfg.recipe != "rsipo":
+        raise UserError(f"--skills: {source} is a {run_cfg.recipe} run; only rsipo runs keep a skill library")
+    snapshot = json.loads((ckpt / "state.json").read_text()).get("skills")
+    if snapshot is None:
+        raise UserError(f"--skills: {ckpt} stores no skill library (written by an older recursa?)")
+    library = SkillLibrary(":memory:")
+    library.restore(snapshot)
+    multi_turn = is_agent_env(pool.take(1)[0])
+    hints = task_hints(library, pool, split_seeds(args.split, n), run_cfg.skills.retrieve_k, run_cfg.skills.retrieval, env_name, multi_turn)
+    shown = sum(h is not None for h in hints)
+    return hints, f"skills: {len(library)} in the library of {source} ({ckpt.name}); {shown} of {n} items shown one"
+
+
 def cmd_eval(args) -> int:
     import json
 
@@ -150,6 +194,7 @@ def cmd_eval(args) -> int:
     pool = EnvPool(lambda: make_env(env_name, **env_kwargs))
     pool.take(1)  # fail fast on a bad task spec
     n = args.n if args.n is not None else cfg.eval.n
+    hints, skills_note = _eval_hints(args, cfg, weights, env_name, pool, n)
     progress = _Progress()
     try:
         if args.policy != "model":
@@ -166,9 +211,10 @@ def cmd_eval(args) -> int:
                 cfg.model.system_prompt or None,
                 batch_size=cfg.eval.batch_size,
                 stop=tuple(cfg.sampling.stop),
-                label=args.label or (weights.name if weights else model_cfg.name),
+                label=args.label or (weights.name if weights else model_cfg.name) + ("+skills" if hints is not None else ""),
                 progress=lambda d, t: progress("eval", d, t),
                 agent=cfg.agent,
+                hints=hints,
             )
     finally:
         progress.stop()
@@ -189,6 +235,8 @@ def cmd_eval(args) -> int:
     )
     console = _console()
     console.print(table)
+    if skills_note:
+        console.print(skills_note)
     if args.json:
         result.save(Path(args.json))
         console.print(f"wrote {args.json}")
@@ -293,6 +341,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--label", help="label stored in the JSON")
     e.add_argument("--json", help="write the evaluation as JSON to this file")
     e.add_argument("--compare", metavar="EVAL_JSON", help="paired exact McNemar test against an earlier evaluation on the same items")
+    e.add_argument(
+        "--skills", default="off", metavar="off|on|RUN_DIR",
+        help="show each item its task's best skill from a skill library in the prompt (as RSIPO's skills.in_context does): on = the --run's own "
+        "library at the evaluated checkpoint, RUN_DIR = that rsipo run's library at its last checkpoint, off (default) = none",
+    )
     e.set_defaults(func=cmd_eval)
 
     x = sub.add_parser("export", help="write a run's checkpoint as a standalone Hugging Face model directory (LoRA merged)")

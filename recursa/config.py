@@ -216,12 +216,13 @@ class RecipeBase(_Section):
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
 
 
-def _check_test_looks(cfg, steps: int) -> None:
+def _check_test_looks(cfg, steps: int, extra_after: int = 0) -> None:
     """With gating on, every test-split evaluation after training starts is a recorded look;
-    a config that would look more often than gate.max_test_looks is refused up front."""
+    a config that would look more often than gate.max_test_looks is refused up front.
+    `extra_after`: more evaluations at the end (RSIPO's skills.eval_both)."""
     if cfg.gate.mode == "off" or cfg.eval.n == 0:
         return
-    looks = (max(steps - 1, 0) // cfg.eval.every if cfg.eval.every else 0) + int(cfg.eval.after)
+    looks = (max(steps - 1, 0) // cfg.eval.every if cfg.eval.every else 0) + int(cfg.eval.after) * (1 + extra_after)
     if looks > cfg.gate.max_test_looks:
         raise ValueError(
             f"this run would look at the test split {looks} times (eval.every, eval.after), more than gate.max_test_looks = "
@@ -274,6 +275,14 @@ class TeacherConfig(_Section):
         "none: the raw Delta, as the RSIPO spec writes it",
     )
     max_hint_chars: int = Field(600, gt=0, description="the reference / walkthrough / sibling text inserted into the teacher context is clipped to this many characters")
+    critical: Literal["off", "from", "at"] = Field(
+        "off",
+        description="teach at the critical step (games): for a failed episode, find the turn where it left the path of a winning episode of the "
+        "same game (same seed, this step's group or the replay buffer) and weight its teacher term 1 from that turn on ('from') or at that turn only ('at'), "
+        "critical_before elsewhere; off: every turn alike (recursa.algorithms.routing.divergence_turn)",
+    )
+    critical_before: float = Field(0.0, ge=0, le=1, description="teacher.critical: weight of the teacher term on a failed episode's turns before its divergence turn (and after it, in mode 'at')")
+    critical_unmatched: float = Field(1.0, ge=0, le=1, description="teacher.critical: weight of the teacher term on a failed episode with no winning episode of its game to compare with")
 
 
 class TrustSettings(_Section):
@@ -326,6 +335,59 @@ class SkillsConfig(_Section):
         description="also show the policy itself the skill retrieved for each task, in its prompts at rollout and at every evaluation (as the teacher sees it); "
         "needed to gate the library (gate.skills_every), since without it the library never reaches the policy at evaluation",
     )
+    contrastive: bool = Field(
+        False,
+        description="write a skill from a success and a failure of the same game together (one prompt showing both), as a rule 'When ..., do ..., "
+        "not ...'; groups without both outcomes write from single attempts as before",
+    )
+    curate: bool = Field(
+        False,
+        description="curator (recursa/skills/curator.py): candidates that restate one action of their episode or are junk fragments count as invalid; "
+        "a near-duplicate of an active skill replaces it only with a higher replay reward; skills whose measured utility is <= 0 are retired",
+    )
+    merge_threshold: float = Field(0.6, gt=0, le=1, description="skills.curate: Jaccard similarity of word sets at which a candidate is a near-duplicate of an active skill")
+    retire_min_trials: float = Field(4.0, gt=0, description="skills.curate: decayed agreement trials after which a skill's utility is its agreement, 2 a/n - 1")
+    retire_grace_steps: int = Field(3, ge=0, description="skills.curate: steps after admission after which a skill with fewer trials is judged by its replay reward")
+    eval_both: bool = Field(
+        False,
+        description="the final evaluation also scores the same weights with the other library setting: eval/after_skills.json with the library's skill "
+        "in each prompt (when in_context is off, so after.json has none), or eval/after_no_skills.json (when in_context is on); separates the library's "
+        "own effect from what was distilled into the weights",
+    )
+
+
+class HatchConfig(_Section):
+    """Hinted re-rolls of groups that all failed (HATCH-like; recursa/algorithms/hinted.py): when no episode of a group wins, k more
+    episodes of that game are played with a hint in the prompt and trained as if the hint were absent (the un-hinted prompt's ids,
+    the same action ids), with advantage coef(step) x w_t x (R - mean reward of the group), w_t = min(pi(a_t | no hint) /
+    pi(a_t | hint), is_cap). The re-rolls are extra sampled episodes (episodes/sampled, budget/episodes)."""
+
+    enabled: bool = Field(False, description="re-roll all-fail groups with a hint")
+    hint: Literal["reflection", "skill", "oracle_walkthrough"] = Field(
+        "reflection",
+        description="reflection: the policy writes advice on one of the group's failed episodes (the skill-writing prompt for a failure, skills.* "
+        "writing settings); skill: the library's best skill for the game; oracle_walkthrough: ABLATION ONLY, the game's walkthrough "
+        "(a single-turn task's reference answer), which a deployed agent never has",
+    )
+    rerolls: int = Field(2, ge=1, description="k: hinted episodes played per all-fail group")
+    coef: float = Field(1.0, ge=0, description="weight of the re-rolled rows' advantage before annealing")
+    anneal: Literal["constant", "linear", "cosine"] = Field("linear", description="schedule of the coefficient over anneal_steps (to 0 at the end)")
+    anneal_steps: int | None = Field(None, ge=0, description="steps over which the coefficient anneals (None: train.steps; 0: never)")
+    is_cap: float = Field(2.0, gt=0, description="truncation of the per-token importance weight pi(a_t | no hint) / pi(a_t | hint)")
+    walkthrough_steps: int = Field(0, ge=0, description="oracle_walkthrough: the first this many actions of the walkthrough (0: all of it)")
+
+
+class RouteConfig(_Section):
+    """Routing by group pass rate (DRIFT; recursa/algorithms/routing.py): all-fail groups learn from the teacher (and hinted re-rolls,
+    [hatch]), mixed groups from the outcome advantage plus the teacher, all-win groups from a supervised term on stored winning
+    episodes. route/all_fail, route/mixed and route/all_win count the groups every step, whatever the mode."""
+
+    mode: Literal["off", "pass_rate"] = Field("off", description="pass_rate: route each group by its pass rate; off: the teacher applies to every group")
+    teacher_all_fail: bool = Field(True, description="pass_rate: the teacher term applies to all-fail groups")
+    teacher_mixed: bool = Field(True, description="pass_rate: the teacher term applies to mixed groups")
+    teacher_all_win: bool = Field(False, description="pass_rate: the teacher term applies to all-win groups")
+    win_coef: float = Field(0.1, ge=0, description="pass_rate: weight of the supervised term, coef x token mean of -log pi over the stored winning episodes' actions (0: off)")
+    win_episodes: int = Field(2, ge=1, description="pass_rate: stored winning episodes (from the replay buffer, any game) trained on per all-win group")
 
 
 class RSIPOConfig(RecipeBase):
@@ -337,12 +399,26 @@ class RSIPOConfig(RecipeBase):
     teacher: TeacherConfig = Field(default_factory=TeacherConfig)
     trust: TrustSettings = Field(default_factory=TrustSettings)
     skills: SkillsConfig = Field(default_factory=SkillsConfig)
+    hatch: HatchConfig = Field(default_factory=HatchConfig)
+    route: RouteConfig = Field(default_factory=RouteConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     gate: GateSettings = Field(default_factory=GateSettings)
 
     @model_validator(mode="after")
     def _check(self) -> "RSIPOConfig":
         GRPOConfig._check(self)  # same batching, temperature and test-look rules
+        if self.skills.eval_both:
+            _check_test_looks(self, self.train.steps, extra_after=1)
+        for key in ("contrastive", "curate", "eval_both"):
+            if getattr(self.skills, key) and not self.skills.enabled:
+                raise ValueError(f"skills.{key} = true needs skills.enabled = true (it acts on written skills): enable skills or set skills.{key} = false")
+        if self.hatch.enabled and self.hatch.hint == "skill":
+            if not self.skills.enabled:
+                raise ValueError("hatch.hint = 'skill' re-rolls with the library's skill, but skills.enabled = false writes none: enable skills or use hatch.hint = 'reflection'")
+            if self.skills.in_context:
+                raise ValueError("hatch.hint = 'skill' with skills.in_context = true re-rolls with the skill the policy already sees: use hatch.hint = 'reflection', or in_context = false")
+        if self.teacher.critical != "off" and self.teacher.source == "none":
+            raise ValueError("teacher.critical weights the teacher term, but teacher.source = 'none' has no teacher: set a source or teacher.critical = 'off'")
         if self.teacher.source == "skill" and not self.skills.enabled:
             raise ValueError("teacher.source = 'skill' needs skills.enabled = true; or choose teacher.source = 'reference', 'sibling' or 'none'")
         if self.teacher.source == "none" and self.teacher.lam > 0:

@@ -149,6 +149,14 @@ RUNS = {
         "skills.candidates=2", "skills.replay_size=2", "skills.in_context=true", "gate.mode=gate", "gate.every=2", "gate.n=2",
         "gate.skills_every=1", "eval.n=2",
     ]),
+    "rsipo_signals": (rsipo, None, [
+        "env.name=toy-coin", *SMALL, "train.steps=2", "skills.candidates=2", "skills.replay_size=2", "hatch.enabled=true", "route.mode=pass_rate",
+        "teacher.critical=from", "skills.contrastive=true", "skills.curate=true", "skills.eval_both=true", "eval.n=2",
+    ]),
+    "rsipo_signals_game": (rsipo, REPO / "examples" / "rsipo_smoke.toml", [
+        *SMALL, "train.steps=1", "skills.candidates=2", "skills.replay_size=2", "hatch.enabled=true", "hatch.hint=oracle_walkthrough",
+        "teacher.critical=from", "route.mode=pass_rate", "eval.n=2", "run.checkpoint_every=0",
+    ]),
     "sft": (sft, None, ["env.name=arithmetic", "data.n=4", "train.epochs=1", "train.batch_size=2", "train.micro_batch_size=2", "eval.n=2"]),
     "rft": (rft, None, [
         "env.name=toy-coin", "rft.rounds=1", "rft.tasks_per_round=2", "rft.group_size=2", "train.batch_size=2", "train.micro_batch_size=2",

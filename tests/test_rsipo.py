@@ -406,11 +406,15 @@ def test_example_configs_run_one_step(tmp_path, path):
         assert "teacher/imitation_weight_mean" in row
     if name == "no_replay":
         assert row["skills/writing_rows"] == 0 and row["skills/replayed_mean"] == 0
+    assert ("hatch/groups" in row) == (name in ("hatch", "hatch_oracle", "drift", "signals"))
+    assert ("teacher/critical_matched_frac" in row) == (name in ("opid_critical", "signals"))
+    assert row["episodes/sampled"] == 2 * 2 + row.get("hatch/episodes", 0)  # B x G, plus the hinted re-rolls
 
 
 def test_ablation_configs_cover_the_spec():
     names = {p.stem for p in ABLATIONS}
-    assert names == {"grpo", "opsd", "opsd_centered", "sdpo", "opid", "seed", "srpo", "scsdpo", "no_replay"}
+    assert names == {"grpo", "opsd", "opsd_centered", "sdpo", "opid", "seed", "srpo", "scsdpo", "no_replay",
+                     "hatch", "hatch_oracle", "drift", "opid_critical", "contrastive", "curated", "signals"}
     switches = {
         "grpo": lambda c: c.teacher.source == "none" and c.teacher.lam == 0 and not c.skills.enabled,
         "opsd": lambda c: c.teacher.source == "reference" and c.teacher.center == "none",
@@ -421,6 +425,14 @@ def test_ablation_configs_cover_the_spec():
         "srpo": lambda c: c.teacher.route == "failed",
         "scsdpo": lambda c: c.teacher.weighting == "pass_rate",
         "no_replay": lambda c: c.skills.enabled and not c.skills.replay_reward,
+        "hatch": lambda c: c.hatch.enabled and c.hatch.hint == "reflection" and c.route.mode == "off",
+        "hatch_oracle": lambda c: c.hatch.enabled and c.hatch.hint == "oracle_walkthrough",
+        "drift": lambda c: c.route.mode == "pass_rate" and c.hatch.enabled and c.route.win_coef > 0,
+        "opid_critical": lambda c: c.trust.mode == "fixed" and c.teacher.critical == "from",
+        "contrastive": lambda c: c.skills.contrastive and not c.skills.curate,
+        "curated": lambda c: c.skills.curate and not c.skills.contrastive,
+        "signals": lambda c: c.hatch.enabled and c.route.mode == "pass_rate" and c.teacher.critical == "from" and c.skills.contrastive and c.skills.curate
+        and c.skills.eval_both,
     }
     for p in ABLATIONS:
         assert switches[p.stem](load_config(p)), p.stem

@@ -58,6 +58,7 @@ __all__ = [
     "kl_estimate",
     "ppo_clip_loss",
     "entropy_from_logits",
+    "part_scales",
 ]
 
 AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -280,3 +281,34 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     p = logp.exp()  # (..., V)
     safe_logp = torch.where(p > 0, logp, torch.zeros_like(logp))
     return -(p * safe_logp).sum(dim=-1)
+
+
+def part_scales(mask: torch.Tensor, sizes: list[int], mode: str) -> list[float]:
+    """Factors that turn one aggregation over all rows into a sum of aggregations, one per
+    block of rows.  ``mask  # (N, T)``; the blocks are consecutive, of ``sizes`` rows
+    (summing to N).  Multiplying block j's advantages by factor j makes
+    ``aggregate(all rows)`` equal the sum over blocks of ``aggregate(block j)``, because
+    the per-token loss is linear in the advantage: token-mean divides by tokens, so
+    factor j = all tokens / block j's tokens; the seq-mean modes divide by rows, so
+    factor j = N / block j's rows.  With fewer than two non-empty blocks every factor is
+    1.0; an empty block (or one without tokens, under token-mean) gets 0.0.  Exact for one
+    mini-batch per epoch; with more, each mini-batch is split in the batch's proportions.
+    """
+    if mode not in AGG_MODES:
+        raise ValueError(f"unknown aggregation mode {mode!r}; valid choices are {list(AGG_MODES)}")
+    if sum(sizes) != mask.shape[0] or any(s < 0 for s in sizes):
+        raise ValueError(f"block sizes {sizes} must be >= 0 and sum to the {mask.shape[0]} rows")
+    bounds, lo = [], 0
+    for s in sizes:
+        bounds.append((lo, lo + s))
+        lo += s
+    if sum(s > 0 for s in sizes) < 2:
+        return [1.0] * len(sizes)
+    if mode == "token-mean":
+        counts = [float(mask[a:b].sum()) for a, b in bounds]
+    else:
+        counts = [float(b - a) for a, b in bounds]
+    total = counts[0]
+    for c in counts[1:]:
+        total = total + c
+    return [total / c if c > 0 else 0.0 for c in counts]

@@ -166,10 +166,11 @@ def eval_before(run: OpenedRun, cfg, progress: Progress | None, log: Callable[[s
 
 
 def run_eval(policy: Policy, cfg, pool: EnvPool, store: RunStore, step: int, label: str, progress: Progress | None, gate=None,
-             hints: Hints | None = None) -> EvalResult:
-    """Greedy held-out evaluation; writes eval/<label>.json, the ledger row and eval/* metrics.
-    With a `WeightsGate`, an evaluation after training started is recorded as a test look.
-    With `hints`, each item is shown the hint it gives for the item's seed."""
+             hints: Hints | None = None, prefix: str = "eval") -> EvalResult:
+    """Greedy held-out evaluation; writes eval/<label>.json, the ledger row and <prefix>/* metrics
+    (a second evaluation of the same step, e.g. RSIPO's with and without skills, logs under its
+    own prefix). With a `WeightsGate`, an evaluation after training started is recorded as a
+    test look. With `hints`, each item is shown the hint it gives for the item's seed."""
     ec = cfg.eval
     seeds = split_seeds(ec.split, ec.n)
     result = evaluate(
@@ -195,9 +196,10 @@ def run_eval(policy: Policy, cfg, pool: EnvPool, store: RunStore, step: int, lab
     if gate is not None and label != "before" and before.exists():
         gate.look(step, label, EvalResult.load(before), result)
     lo, hi = result.ci95
+    p = prefix
     store.log_metrics(step, {
-        "eval/success_rate": result.success_rate, "eval/ci95_lo": lo, "eval/ci95_hi": hi, "eval/mean_reward": result.mean_reward,
-        "eval/mean_steps": result.mean_steps, "eval/invalid_rate": result.invalid_rate, "eval/n": result.n, "time/eval_s": result.seconds,
+        f"{p}/success_rate": result.success_rate, f"{p}/ci95_lo": lo, f"{p}/ci95_hi": hi, f"{p}/mean_reward": result.mean_reward,
+        f"{p}/mean_steps": result.mean_steps, f"{p}/invalid_rate": result.invalid_rate, f"{p}/n": result.n, f"time/{p}_s": result.seconds,
     })
     return result
 

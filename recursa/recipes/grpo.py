@@ -322,6 +322,7 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
             "reward/success_rate": sum(t.success for t in trajs) / len(trajs),
             "reward/zero_std_groups": zero_var.item(),
             "advantage/abs_mean": advantages.abs().mean().item(),
+            "episodes/sampled": B * G,  # every episode this step sampled (RSIPO adds its hinted re-rolls)
             "budget/episodes": (step + 1) * B * G,
             **update_metrics(st, trajs, len(trajs), cfg, opt_step),
             "time/rollout_s": t1 - t0,

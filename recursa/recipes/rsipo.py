@@ -7,24 +7,37 @@
         rollout    -> B x G attempts: single-turn completions, or multi-turn episodes (one row per turn)
         outcome    <- A_outcome from rewards (B, G)                       (+ GiGPO's step term, games)
         buffer     <- this step's attempts join the replay buffer (replay.jsonl, for resume)
+        routes     <- each group is all_fail, mixed or all_win (route/* metrics; [route] acts on them)
         write      <- per group up to `skills.write_per_group` attempts (a success and a failure, where
-                      present) are shown to the policy, which samples K candidate skills for each in one
-                      batched generate call; parse_skill drops malformed ones (counted, never fatal)
+                      present; with skills.contrastive one success/failure pair, shown together) are shown to the
+                      policy, which samples K candidate skills for each in one batched generate call; parse_skill
+                      drops malformed ones (counted, never fatal), and with skills.curate so does the curator
+                      (single actions of the episode, fragments)
         replay     <- r(s) = mean_tau' y(tau') clip(D(s, tau'), -c, c) over M replayed attempts of other
                       seeds, D = mean over tau''s action tokens of log pi_old(a | ctx + s) - log pi_old(a | ctx);
                       length / invalid penalties; normalised within the K candidates -> the advantage of
-                      the writing tokens (x skills.coef); the best candidate enters the library
+                      the writing tokens (x skills.coef); the best candidate enters the library (skills.curate:
+                      a near-duplicate replaces its skill only with a higher reward; useless skills retire)
         [skills gate <- gate.skills_every: the library with this round's new skills vs the incumbent library,
                       both in context, on gate probes half failed / half solved by the incumbent
                       (recipes/gating.py SkillGate); a rejection restores the incumbent library]
+        [hatch     <- hatch.enabled: k hinted episodes of each all-fail game, trained under the un-hinted
+                      prompt with coef(step) x truncated importance weight x (R - group mean)]
+        [wins      <- route.mode = pass_rate: stored winning episodes, a supervised term per all-win group]
         retrieve   <- per task (group): the library's best skill, BM25 over task text + first observation
         teacher    <- Delta_t = log pi_old(a_t | ctx + hint) - log pi_old(a_t | ctx) on every row with a hint
                       (the hint: a skill | the walkthrough or reference answer | a successful sibling)
         trust      <- T_g of each skill group from the agreement trials of earlier steps; this step's trials
-                      (sign of mean Delta vs sign of A_outcome) then update the decayed counts
+                      (sign of mean Delta vs sign of A_outcome) then update the decayed counts; T_g is then
+                      gated per route ([route]) and weighted by the critical step (teacher.critical)
         advantages <- A_t = A_outcome + lam T_g psi(Delta_t)        (or SEED-like imitation weights)
-        update     <- grpo.update on one batch: PPO-clip on the action tokens and on the writing tokens
+        update     <- grpo.update on one batch: PPO-clip on the action tokens, the writing tokens and the
+                      hinted rows, each part averaged over its own tokens; imitation terms (SEED-like, wins)
         evaluate, gate, checkpoint (with the trust state and a snapshot of the skill library)
+
+`train` is that loop; each phase is a function below (`play`, `learn_skills`, `hinted_rerolls`,
+`win_rows`, `teach`, `set_advantages`), and the math they call is in recursa/algorithms/ (distill,
+trust, hinted, routing) and recursa/skills/ (writing, retrieval, curator).
 
 Every random draw of step k comes from the generator seeded by (train.seed, k); the library and
 the trust counts are restored from the checkpoint and the replay buffer from replay.jsonl, so a
@@ -50,9 +63,15 @@ Where this departs from the spec's letter, and why:
   every step (a hint lowers every action's log-prob) while often ranking a group's attempts as
   the outcome did; the raw sign test agreed in 66% of trials and the applied trust averaged 0.10.
   Centred, the applied trust doubled (0.21) with no held-out difference (README, RSIPO section).
-* The update aggregates the action rows and the writing rows in one call; their advantages are
-  rescaled (`term_scales`) so that the loss is L_policy + coef * L_writing, each averaged over its
-  own tokens, and the writing rows never dilute the policy's gradient.
+* The update aggregates the action rows, the writing rows and the hinted rows in one call; their
+  advantages are rescaled (`losses.part_scales`) so that the loss is L_policy + coef * L_writing +
+  L_hinted, each averaged over its own tokens, and no part dilutes another's gradient.
+* Hinted re-rolls (hatch) are trained under the un-hinted prompt the policy would have seen (with
+  skills.in_context, the one with its in-context skill; the hatch hint replaces it while sampling).
+  They are extra sampled episodes: `episodes/sampled` and `budget/episodes` count them. They do
+  not join the replay buffer (whose attempts are what the policy played unaided).
+* The critical step (teacher.critical) weights the teacher's trust on each turn of a failed episode;
+  single-turn tasks have one turn, so it changes nothing there.
 
 Devices: rewards, outcome advantages, successes and the skills' replay rewards are host
 statistics (built from Python values); the teacher's log-probs, Delta, trust per row and the
@@ -62,6 +81,7 @@ there explicitly where they join them.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
@@ -83,16 +103,29 @@ from recursa.algorithms.distill import (
     teacher_shift,
     token_advantages,
 )
+from recursa.algorithms.hinted import all_failed, anneal, hinted_token_advantages, truncated_importance_weights
+from recursa.algorithms.losses import part_scales
+from recursa.algorithms.routing import ALL_WIN, critical_weights, divergence_turn, group_routes, route_counts, route_gate
 from recursa.algorithms.trust import TrustEstimator, agreement_trials
 from recursa.config import RSIPOConfig
 from recursa.envs import EnvPool, system_prompt_of
-from recursa.generation import SamplingParams, generate, sequence_logprobs, shared_prefix_logprobs
+from recursa.generation import GenerationStats, SamplingParams, generate, sequence_logprobs, shared_prefix_logprobs
 from recursa.models import Policy
 from recursa.recipes.common import Progress, eval_before, open_run, run_eval, step_generator
 from recursa.recipes.gating import SkillGate, WeightsGate
-from recursa.recipes.grpo import Imitation, episode_rows, train_seeds, update, update_metrics
+from recursa.recipes.grpo import Imitation, UpdateStats, episode_rows, train_seeds, update, update_metrics
 from recursa.rollout import render_prompt, rollout, rollout_episodes, with_hint
-from recursa.skills import SkillLibrary, SkillWritingStats, parse_skill, render_trajectory_for_skill, retrieve, retrieve_many, skill_writing_prompt
+from recursa.skills import (
+    SkillLibrary,
+    SkillWritingStats,
+    contrastive_writing_prompt,
+    parse_skill,
+    render_trajectory_for_skill,
+    retrieve,
+    retrieve_many,
+    skill_writing_prompt,
+)
+from recursa.skills.curator import junk_reason, near_duplicate, retire_reason, rule_form, single_action
 from recursa.skills.writing import MARKER, ParsedSkill
 from recursa.trajectory import Trajectory, collate
 
@@ -271,6 +304,25 @@ def choose_sources(attempts: list[Attempt], groups: int, size: int, per_group: i
     return chosen
 
 
+def choose_contrasts(attempts: list[Attempt], groups: int, size: int, per_group: int, gen: torch.Generator) -> tuple[list[int], list[int | None]]:
+    """skills.contrastive: per group with a success and a failure, one pair (the failure is the
+    source, the success its partner); per other group, up to `per_group` single attempts as
+    `choose_sources` picks them. Returns (sources, partners), partner None for a single."""
+    sources, partners = [], []
+    for b in range(groups):
+        members = list(range(b * size, (b + 1) * size))
+        outcomes = [attempts[i].success for i in members]
+        if any(outcomes) and not all(outcomes):
+            win, loss = alternate(members, outcomes, 2, gen)  # a success first, then a failure
+            sources.append(loss)
+            partners.append(win)
+        else:
+            picked = alternate(members, outcomes, per_group, gen)
+            sources.extend(picked)
+            partners.extend([None] * len(picked))
+    return sources, partners
+
+
 @dataclass
 class Writing:
     """The K candidate skills written for each source attempt (candidate k of source j at j*K + k)."""
@@ -279,28 +331,59 @@ class Writing:
     prompts: list[list[int]]  # per source: the writing prompt ids (with the prefill)
     samples: list  # generation.Sample, K per source
     parsed: list[ParsedSkill]
+    partners: list[int | None] = field(default_factory=list)  # per source: the success shown beside it (skills.contrastive), or None
 
 
-def write_skills(policy: Policy, attempts: list[Attempt], sources: list[int], cfg: RSIPOConfig, system: str | None, gen: torch.Generator, stats: SkillWritingStats) -> Writing:
-    """The policy reads each source attempt and its outcome and samples K candidate skills
-    (one batched generate call, n = K); every reply is parsed, malformed ones counted."""
+def attempt_text(a: Attempt, chars: int) -> str:
+    """An attempt as the skill writer (or the reflection writer) reads it."""
+    steps = [(c.observation, t) for c, t in zip(a.contexts, a.texts)] if a.contexts[0].task is not None else [("(the task above)", a.texts[0])]
+    return render_trajectory_for_skill(a.task, steps, a.success, chars)
+
+
+def episode_actions(a: Attempt) -> list[str]:
+    """The actions an attempt took and was offered (a single-turn attempt: its reply): what a
+    skill that only restates one action would repeat (`curator.single_action`)."""
+    offered = [x for c in a.contexts for x in (c.admissible or [])]
+    return [*a.texts, *offered]
+
+
+def curated(p: ParsedSkill, actions: list[str]) -> ParsedSkill:
+    """skills.curate: a valid candidate that restates one action or is a junk fragment
+    becomes invalid, with the curator's reason."""
+    if not p.valid:
+        return p
+    reason = "single_action" if single_action(p.text, actions) else junk_reason(p.text)
+    return ParsedSkill(None, False, f"curator_{reason}") if reason else p
+
+
+def write_skills(policy: Policy, attempts: list[Attempt], sources: list[int], cfg: RSIPOConfig, system: str | None, gen: torch.Generator, stats: SkillWritingStats,
+                 partners: list[int | None] | None = None) -> Writing:
+    """The policy reads each source attempt and its outcome (with skills.contrastive, a
+    failure beside a success of the same game) and samples K candidate skills (one batched
+    generate call, n = K); every reply is parsed (and curated), malformed ones counted."""
     sc, tok = cfg.skills, policy.tokenizer
+    partners = partners if partners is not None else [None] * len(sources)
     prefill = tok.encode(MARKER, add_special_tokens=False) if sc.prefill else []
     prompts = []
-    for j in sources:
+    for j, p in zip(sources, partners):
         a = attempts[j]
-        steps = [(c.observation, t) for c, t in zip(a.contexts, a.texts)] if a.contexts[0].task is not None else [("(the task above)", a.texts[0])]
-        text = render_trajectory_for_skill(a.task, steps, a.success, sc.trajectory_chars)
-        prompts.append(render_prompt(tok, skill_writing_prompt(text, a.success, sc.max_words), system) + prefill)
+        if p is None:
+            message = skill_writing_prompt(attempt_text(a, sc.trajectory_chars), a.success, sc.max_words)
+        else:
+            message = contrastive_writing_prompt(attempt_text(attempts[p], sc.trajectory_chars // 2), attempt_text(a, sc.trajectory_chars // 2), sc.max_words)
+        prompts.append(render_prompt(tok, message, system) + prefill)
     samples = []
     if prompts:
         params = SamplingParams(sc.max_new_tokens, sc.temperature, cfg.sampling.top_p, ("\n",) if sc.prefill else ())
         samples = generate(policy.causal_lm, tok, prompts, params, n=sc.candidates, generator=gen)
     parsed = [parse_skill(tok.decode(s.token_ids, skip_special_tokens=True), sc.max_words, sc.max_chars) for s in samples]
+    if sc.curate:
+        K = sc.candidates
+        actions = [episode_actions(attempts[j]) + (episode_actions(attempts[p]) if p is not None else []) for j, p in zip(sources, partners)]
+        parsed = [curated(x, actions[i // K]) for i, x in enumerate(parsed)]
     for p in parsed:
         stats.add(p)
-    return Writing(sources, prompts, samples, parsed)
-
+    return Writing(sources, prompts, samples, parsed, list(partners))
 
 def replay_rewards(policy: Policy, writing: Writing, attempts: list[Attempt], buffer: list[Attempt], cfg: RSIPOConfig, system: str | None, gen: torch.Generator) -> tuple[list[torch.Tensor | None], list[int]]:
     """Replay reward of every candidate (see the module doc): per source, a (K,) tensor of
@@ -360,6 +443,7 @@ def replay_rewards(policy: Policy, writing: Writing, attempts: list[Attempt], bu
     return rewards, [len(p) for p in plans]
 
 
+
 @dataclass
 class SkillStep:
     """What one step's skill writing produced for the update and the logs."""
@@ -367,25 +451,57 @@ class SkillStep:
     rows: list[Trajectory] = field(default_factory=list)  # writing prompt + candidate tokens, trained when rewarded
     advantages: torch.Tensor = field(default_factory=lambda: torch.zeros(0, device="cpu"))  # (len(rows),) coef x group-normalised reward, host
     admitted: dict[int, int] = field(default_factory=dict)  # skill id -> the attempt it was written from
+    partners: dict[int, int] = field(default_factory=dict)  # skill id -> the success shown beside that attempt (skills.contrastive)
     log: list[dict] = field(default_factory=list)  # one record per candidate (skills.jsonl)
     metrics: dict[str, float] = field(default_factory=dict)
+    rescored: int = 0  # buffer attempts replayed (re-scored, not played again)
+
+
+def admit(library: SkillLibrary, text: str, reward: float | None, src: Attempt, outcome: str, cfg: RSIPOConfig, step: int) -> tuple[int | None, str]:
+    """Enter a candidate in the library: (its skill id, "added"), or with skills.curate and an
+    active near-duplicate, (the new version's id, "merged") when its replay reward beats the
+    duplicate's, else (None, "dropped")."""
+    sc = cfg.skills
+    if sc.curate:
+        dup = near_duplicate(text, library.active(cfg.env.name), sc.merge_threshold)
+        if dup is not None:
+            if reward is None or (dup.replay_reward is not None and reward <= dup.replay_reward):
+                return None, "dropped"
+            return library.add(text, cfg.env.name, src.seed, step, outcome, parent_id=dup.id, replay_reward=reward, created_step=step), "merged"
+    return library.add(text, cfg.env.name, src.seed, step, outcome, replay_reward=reward, created_step=step), "added"
+
+
+def retire_useless(library: SkillLibrary, cfg: RSIPOConfig, step: int) -> int:
+    """skills.curate: remove every active skill whose measured utility is <= 0; returns how many."""
+    sc, retired = cfg.skills, 0
+    for s in library.active(cfg.env.name):
+        if retire_reason(s, step, sc.retire_min_trials, sc.retire_grace_steps) is not None:
+            library.remove(s.id, step)
+            retired += 1
+    return retired
 
 
 def learn_skills(policy: Policy, attempts: list[Attempt], buffer: list[Attempt], library: SkillLibrary, cfg: RSIPOConfig, system: str | None,
                  gen: torch.Generator, step: int) -> SkillStep:
-    """Write K candidates for each chosen attempt, reward them by replay, admit each source's
-    best candidate to the library (with provenance), and make the writing rows."""
+    """Write K candidates for each chosen attempt (or success/failure pair), reward them by
+    replay, admit each source's best candidate to the library (with provenance; curated
+    with skills.curate), and make the writing rows."""
     sc, K = cfg.skills, cfg.skills.candidates
+    B, G = cfg.train.prompts_per_step, cfg.train.group_size
     stats = SkillWritingStats()
-    sources = choose_sources(attempts, cfg.train.prompts_per_step, cfg.train.group_size, sc.write_per_group, gen)
-    writing = write_skills(policy, attempts, sources, cfg, system, gen, stats)
+    if sc.contrastive:
+        sources, partners = choose_contrasts(attempts, B, G, sc.write_per_group, gen)
+    else:
+        sources, partners = choose_sources(attempts, B, G, sc.write_per_group, gen), None
+    writing = write_skills(policy, attempts, sources, cfg, system, gen, stats, partners)
     replay: list[torch.Tensor | None] = [None] * len(sources)
     replayed = [0] * len(sources)
     if sc.replay_reward:
         replay, replayed = replay_rewards(policy, writing, attempts, buffer, cfg, system, gen)
     out, advantages = SkillStep(), []
+    admissions = {"added": 0, "merged": 0, "dropped": 0}
     for s, j in enumerate(sources):
-        src, cands, r = attempts[j], writing.parsed[s * K : (s + 1) * K], replay[s]
+        src, cands, r, partner = attempts[j], writing.parsed[s * K : (s + 1) * K], replay[s], writing.partners[s]
         valid = [k for k in range(K) if cands[k].valid]
         if not sc.replay_reward:
             best = valid[0] if valid else None
@@ -394,9 +510,14 @@ def learn_skills(policy: Policy, attempts: list[Attempt], buffer: list[Attempt],
             if best is not None and sc.admit_min_reward is not None and float(r[best]) <= sc.admit_min_reward:
                 best = None
         if best is not None:
-            sid = library.add(cands[best].text, cfg.env.name, src.seed, step, "success" if src.success else "failure",
-                              replay_reward=None if r is None else float(r[best]), created_step=step)
-            out.admitted[sid] = j
+            outcome = "contrast" if partner is not None else ("success" if src.success else "failure")
+            sid, how = admit(library, cands[best].text, None if r is None else float(r[best]), src, outcome, cfg, step)
+            admissions[how] += 1
+            if sid is not None:  # (a text admitted again from another source now points there)
+                out.admitted[sid] = j
+                out.partners.pop(sid, None)
+                if partner is not None:
+                    out.partners[sid] = partner
         adv = group_normalise(r) * sc.coef if (r is not None and sc.coef > 0) else None  # (K,)
         prompt = writing.prompts[s]
         for k in range(K):
@@ -405,10 +526,15 @@ def learn_skills(policy: Policy, attempts: list[Attempt], buffer: list[Attempt],
                 out.rows.append(Trajectory(cfg.env.name, src.seed, -1, prompt + sample.token_ids, [0] * len(prompt) + [1] * len(sample.token_ids),
                                            [0.0] * len(prompt) + sample.logprobs, float(r[k]), False, finish_reason=sample.finish_reason))
                 advantages.append(float(adv[k]))
-            out.log.append({"source_seed": src.seed, "source_success": src.success, "candidate": k, "text": cands[k].text, "valid": cands[k].valid,
-                            "reason": cands[k].reason, "words": cands[k].words, "reward": None if r is None else float(r[k]),
-                            "admitted": k == best, "replayed": replayed[s]})
+            record = {"source_seed": src.seed, "source_success": src.success, "candidate": k, "text": cands[k].text, "valid": cands[k].valid,
+                      "reason": cands[k].reason, "words": cands[k].words, "reward": None if r is None else float(r[k]),
+                      "admitted": k == best, "replayed": replayed[s]}
+            if partner is not None:
+                record["contrast"] = True  # written from this failure beside a success of the same game
+            out.log.append(record)
+    retired = retire_useless(library, cfg, step) if sc.curate else 0
     out.advantages = torch.tensor(advantages, dtype=torch.float32, device="cpu")
+    out.rescored = sum(replayed)
     rewarded = torch.tensor([c["reward"] for c in out.log if c["valid"] and c["reward"] is not None], device="cpu")
     words = torch.tensor([float(p.words) for p in writing.parsed if p.valid], device="cpu")
     out.metrics = {
@@ -422,8 +548,13 @@ def learn_skills(policy: Policy, attempts: list[Attempt], buffer: list[Attempt],
         "skills/len_words_mean": words.mean().item() if words.numel() else float("nan"),
         "skills/writing_rows": float(len(out.rows)),
     }
+    if sc.contrastive:
+        valid_texts = [p.text for p in writing.parsed if p.valid]
+        out.metrics["skills/contrastive_sources"] = float(sum(p is not None for p in writing.partners))
+        out.metrics["skills/rule_form_frac"] = sum(rule_form(t) for t in valid_texts) / len(valid_texts) if valid_texts else float("nan")
+    if sc.curate:
+        out.metrics.update({"skills/merged": float(admissions["merged"]), "skills/merge_dropped": float(admissions["dropped"]), "skills/retired": float(retired)})
     return out
-
 
 # ----------------------------------------------------------------------------- teacher contexts
 
@@ -434,10 +565,10 @@ def skill_query(task: str, observation: str) -> str:
     return f"{task} {observation}"
 
 
-def library_hints(library: SkillLibrary, pool: EnvPool, seeds: list[int], cfg: RSIPOConfig, multi_turn: bool) -> list[str | None]:
-    """Per seed, the hint its task is shown with under `skills.in_context`: the library's
-    best skills for the task, retrieved as for the teacher; None where none matches. Reads
-    each task by resetting one env of the pool (no env is reset for an empty library)."""
+def task_hints(library: SkillLibrary, pool: EnvPool, seeds: list[int], retrieve_k: int, retrieval: str, family: str, multi_turn: bool) -> list[str | None]:
+    """Per seed, the library's best skills for its task as a hint (`skill_hint`), retrieved as
+    for the teacher; None where none matches. Reads each task by resetting one env of the pool
+    (no env is reset for an empty library). Also what `recursa eval --skills` shows."""
     if not len(library):
         return [None] * len(seeds)
     env = pool.take(1)[0]
@@ -445,8 +576,14 @@ def library_hints(library: SkillLibrary, pool: EnvPool, seeds: list[int], cfg: R
     for seed in seeds:
         obs = env.reset(seed)
         queries.append(skill_query(env.task if multi_turn else obs, obs))
-    found = retrieve_many(library, queries, cfg.skills.retrieve_k, family=cfg.env.name, method=cfg.skills.retrieval)
+    found = retrieve_many(library, queries, retrieve_k, family=family, method=retrieval)
     return [skill_hint([s.text for s in f]) if f else None for f in found]
+
+
+def library_hints(library: SkillLibrary, pool: EnvPool, seeds: list[int], cfg: RSIPOConfig, multi_turn: bool) -> list[str | None]:
+    """Per seed, the hint its task is shown with under `skills.in_context` (`task_hints` with
+    the run's retrieval settings)."""
+    return task_hints(library, pool, seeds, cfg.skills.retrieve_k, cfg.skills.retrieval, cfg.env.name, multi_turn)
 
 
 def teacher_hints(attempts: list[Attempt], cfg: RSIPOConfig, library: SkillLibrary, pool: EnvPool, multi_turn: bool, G: int) -> tuple[list[str | None], list]:
@@ -485,22 +622,370 @@ def teacher_hints(attempts: list[Attempt], cfg: RSIPOConfig, library: SkillLibra
     return hints, groups
 
 
+
+# ----------------------------------------------------------------------------- rollout
+
+
+@dataclass
+class Played:
+    """One step's rollout as every later phase reads it."""
+
+    attempts: list[Attempt]  # B x G, grouped
+    rows: list[Trajectory]  # the training rows: one per completion, or one per turn of a game
+    row_adv: torch.Tensor  # (rows,) outcome advantage of each row (+ GiGPO's step term), host
+    rewards: torch.Tensor  # (B, G) host
+    advantages: torch.Tensor  # (B, G) outcome advantages, host
+    success: torch.Tensor  # (B, G) bool, host
+    row_attempt: list[int]  # (rows,) the attempt of each row
+    row_context: list[Context]  # (rows,) what each row's user message was rendered from
+    metrics: dict  # episode/* metrics (games)
+    gen_stats: GenerationStats
+
+
+def play(policy: Policy, pool: EnvPool, seeds: list[int], shown: list[str | None] | None, sampling: SamplingParams, gen: torch.Generator,
+         system: str | None, cfg: RSIPOConfig, multi_turn: bool, step: int) -> Played:
+    """B x G attempts of the step's tasks (`shown`: the in-context skill of each task, or None)
+    and their outcome advantages, as GRPO computes them."""
+    B, G = cfg.train.prompts_per_step, cfg.train.group_size
+    metrics = {}
+    if multi_turn:
+        ero = rollout_episodes(policy, pool, seeds, G, sampling, gen, system, cfg.agent, hints=shown)
+        gen_stats = ero.stats
+        rewards = torch.tensor([e.total_reward for e in ero.episodes], dtype=torch.float32, device="cpu").view(B, G)  # (B, G)
+        advantages = compute_advantages(cfg.algo.advantage, rewards)  # (B, G)
+        rows, row_adv, metrics = episode_rows(ero.episodes, advantages, cfg)  # one row per turn
+        attempts = episode_attempts(ero.episodes, step, cfg.agent, shown)
+    else:
+        ro = rollout(policy, pool, seeds, G, sampling, gen, system, hints=shown)
+        gen_stats = ro.stats
+        rows = ro.trajectories
+        rewards = torch.tensor([t.reward for t in rows], dtype=torch.float32, device="cpu").view(B, G)  # (B, G)
+        advantages = compute_advantages(cfg.algo.advantage, rewards)  # (B, G)
+        row_adv = advantages.view(-1)
+        attempts = completion_attempts(rows, step, shown)
+    row_attempt = [a for a, att in enumerate(attempts) for _ in att.contexts]
+    row_context = [c for att in attempts for c in att.contexts]
+    success = torch.tensor([a.success for a in attempts], device="cpu").view(B, G)  # (B, G)
+    return Played(attempts, rows, row_adv, rewards, advantages, success, row_attempt, row_context, metrics, gen_stats)
+
+
+# ----------------------------------------------------------------------------- hinted re-rolls (hatch)
+
+
+@dataclass
+class HintedStep:
+    """The hinted re-rolls of one step's all-fail groups, as rows under the un-hinted prompt."""
+
+    rows: list[Trajectory] = field(default_factory=list)  # un-hinted prompt ids + the hinted episode's action ids
+    advantages: list[torch.Tensor] = field(default_factory=list)  # per row, (action tokens,) coef x w_t x (R - b), host
+    episodes: int = 0  # episodes played (sampled) for the re-rolls
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def reflection_hints(policy: Policy, attempts: list[Attempt], cfg: RSIPOConfig, system: str | None, gen: torch.Generator) -> list[str | None]:
+    """hatch.hint = reflection: the policy reads each failed attempt and writes one piece of
+    advice (the skill-writing prompt for a failure, one sample each, skills.* settings); None
+    where the reply does not parse."""
+    sc, tok = cfg.skills, policy.tokenizer
+    prefill = tok.encode(MARKER, add_special_tokens=False) if sc.prefill else []
+    prompts = [render_prompt(tok, skill_writing_prompt(attempt_text(a, sc.trajectory_chars), False, sc.max_words), system) + prefill for a in attempts]
+    if not prompts:
+        return []
+    params = SamplingParams(sc.max_new_tokens, sc.temperature, cfg.sampling.top_p, ("\n",) if sc.prefill else ())
+    samples = generate(policy.causal_lm, tok, prompts, params, n=1, generator=gen)
+    parsed = [parse_skill(tok.decode(s.token_ids, skip_special_tokens=True), sc.max_words, sc.max_chars) for s in samples]
+    return [f"Advice from an earlier failed attempt at this game: {p.text}" if p.valid else None for p in parsed]
+
+
+def oracle_hint(env, seed: int, multi_turn: bool, steps: int, limit: int) -> str | None:
+    """hatch.hint = oracle_walkthrough (an ablation): the first `steps` actions of the game's
+    walkthrough (all of it for 0), or a single-turn task's reference answer; None without one."""
+    env.reset(seed)
+    if multi_turn:
+        plan = list(env.walkthrough() or [])
+        plan = plan[:steps] if steps else plan
+        return _clip(f"Actions that win this game, in order from the start: {', '.join(plan)}", limit) if plan else None
+    ref = env.reference() if hasattr(env, "reference") else None
+    return _clip(f"A correct answer: {ref}", limit) if ref else None
+
+
+def hatch_hints(policy: Policy, played: Played, groups: list[int], library: SkillLibrary, pool: EnvPool, cfg: RSIPOConfig, system: str | None,
+                gen: torch.Generator, multi_turn: bool) -> list[str | None]:
+    """The hint each all-fail group in `groups` is re-rolled with (None: no re-roll)."""
+    hc, G = cfg.hatch, cfg.train.group_size
+    firsts = [played.attempts[b * G] for b in groups]
+    if hc.hint == "skill":
+        found = retrieve_many(library, [skill_query(a.task, a.contexts[0].observation) for a in firsts], cfg.skills.retrieve_k, family=cfg.env.name,
+                              method=cfg.skills.retrieval) if len(library) else [[] for _ in groups]
+        return [skill_hint([s.text for s in f]) if f else None for f in found]
+    if hc.hint == "reflection":  # on one failed attempt of each group, drawn at random
+        picks = [b * G + int(torch.randint(G, (1,), generator=gen, device="cpu")) for b in groups]
+        return reflection_hints(policy, [played.attempts[i] for i in picks], cfg, system, gen)
+    env = pool.take(1)[0]
+    return [oracle_hint(env, a.seed, multi_turn, hc.walkthrough_steps, cfg.teacher.max_hint_chars) for a in firsts]
+
+
+def hinted_rerolls(policy: Policy, pool: EnvPool, played: Played, seeds: list[int], shown: list[str | None] | None, library: SkillLibrary,
+                   sampling: SamplingParams, gen: torch.Generator, cfg: RSIPOConfig, system: str | None, multi_turn: bool, step: int) -> HintedStep:
+    """hatch: re-roll k attempts of each all-fail group with a hint, score their action tokens
+    with and without it, and make rows under the un-hinted prompt with the advantage of
+    `recursa.algorithms.hinted` (step: 0 for the first step, for the annealing)."""
+    hc, tok, G = cfg.hatch, policy.tokenizer, cfg.train.group_size
+    groups = [b for b, failed in enumerate(all_failed(played.success).tolist()) if failed]
+    hints = hatch_hints(policy, played, groups, library, pool, cfg, system, gen, multi_turn) if groups else []
+    chosen = [(b, h) for b, h in zip(groups, hints) if h is not None]
+    coef = anneal(hc.coef, step, cfg.train.steps if hc.anneal_steps is None else hc.anneal_steps, hc.anneal)
+    out = HintedStep(metrics={"hatch/groups": float(len(groups)), "hatch/hinted_groups": float(len(chosen)), "hatch/coef": coef})
+    if not chosen:
+        return out
+    k, re_seeds, re_hints = hc.rerolls, [seeds[b] for b, _ in chosen], [h for _, h in chosen]
+    bare = [shown[b] for b, _ in chosen] if shown is not None else None  # what the policy sees without the hatch hint
+    if multi_turn:
+        episodes = rollout_episodes(policy, pool, re_seeds, k, sampling, gen, system, cfg.agent, hints=re_hints).episodes
+        attempts = episode_attempts(episodes, step + 1, cfg.agent, bare)
+        hinted_prompts = [[t.prompt_ids for t in e.turns] for e in episodes]
+        rewards = [e.total_reward for e in episodes]
+    else:
+        trajs = rollout(policy, pool, re_seeds, k, sampling, gen, system, hints=re_hints).trajectories
+        attempts = completion_attempts(trajs, step + 1, bare)
+        hinted_prompts = [[t.token_ids[: t.action_mask.index(1)] if 1 in t.action_mask else t.token_ids] for t in trajs]
+        rewards = [t.reward for t in trajs]
+    pairs, rows, group_of = [], [], []
+    for i, a in enumerate(attempts):
+        for ctx, actions, hinted in zip(a.contexts, a.actions, hinted_prompts[i]):
+            prompt = render_prompt(tok, user_message(ctx, cfg.agent, ctx.hint), system)  # the un-hinted prompt
+            pairs += [(prompt, list(actions)), (hinted, list(actions))]
+            rows.append((prompt, list(actions), i))
+    scores = score_actions(policy, pairs, cfg)  # log pi_old under the un-hinted and the hinted prompt, per row
+    width = max([len(a) for _, a, _ in rows] + [1])
+    host = torch.device("cpu")  # the hinted rows' advantages are built on the host, like the outcome advantages
+    mask = torch.zeros(len(rows), width, device=host)  # (rows, width) the action tokens, left-aligned
+    logp_u, logp_h = torch.zeros(len(rows), width, device=host), torch.zeros(len(rows), width, device=host)
+    for r, (_, actions, _) in enumerate(rows):
+        n = len(actions)
+        mask[r, :n] = 1
+        logp_u[r, :n], logp_h[r, :n] = scores[2 * r].cpu(), scores[2 * r + 1].cpu()
+    baseline = played.rewards.mean(dim=1)  # (B,) the un-hinted group's mean reward
+    row_reward = torch.tensor([rewards[i] for _, _, i in rows], dtype=torch.float32, device=host)  # (rows,) R
+    row_base = torch.tensor([float(baseline[chosen[i // k][0]]) for _, _, i in rows], dtype=torch.float32, device=host)  # (rows,) b
+    weights = truncated_importance_weights(logp_u, logp_h, mask, hc.is_cap)  # (rows, width)
+    adv = hinted_token_advantages(row_reward, row_base, weights, coef, mask)  # (rows, width)
+    for r, (prompt, actions, i) in enumerate(rows):
+        b = chosen[i // k][0]
+        out.rows.append(Trajectory(cfg.env.name, seeds[b], b, prompt + actions, [0] * len(prompt) + [1] * len(actions),
+                                   [0.0] * len(prompt) + logp_u[r, : len(actions)].tolist(), rewards[i], attempts[i].success))
+        out.advantages.append(adv[r, : len(actions)].clone())
+    keep = mask.bool()
+    out.episodes = len(attempts)
+    out.metrics.update({
+        "hatch/episodes": float(len(attempts)),
+        "hatch/win_rate": sum(a.success for a in attempts) / len(attempts),
+        "hatch/reward_gain": sum(rewards[i] - float(baseline[chosen[i // k][0]]) for i in range(len(attempts))) / len(attempts),
+        "hatch/is_weight_mean": weights[keep].mean().item() if keep.any() else float("nan"),
+        "hatch/is_truncated_frac": (logp_u - logp_h >= math.log(hc.is_cap))[keep].float().mean().item() if keep.any() else float("nan"),
+        "hatch/logp_gain": (logp_h - logp_u)[keep].mean().item() if keep.any() else float("nan"),
+        "hatch/adv_abs_mean": adv[keep].abs().mean().item() if keep.any() else float("nan"),
+        "hatch/rows": float(len(rows)),
+    })
+    return out
+
+
+# ----------------------------------------------------------------------------- stored successes (route: all-win groups)
+
+
+@dataclass
+class WinStep:
+    """Stored winning episodes replayed as a supervised term for the step's all-win groups."""
+
+    rows: list[Trajectory] = field(default_factory=list)  # the exact prompt ids the policy acted on + its action ids
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def win_rows(policy: Policy, buffer: list[Attempt], routes: torch.Tensor, cfg: RSIPOConfig, system: str | None, gen: torch.Generator) -> WinStep:
+    """route.mode = pass_rate: route.win_episodes winning attempts of the replay buffer (any
+    game, drawn at random) per all-win group, one row per turn."""
+    rc = cfg.route
+    n_groups = int((routes == ALL_WIN).sum())
+    if rc.mode != "pass_rate" or rc.win_coef == 0 or n_groups == 0:
+        return WinStep()
+    wins = [a for a in buffer if a.success]
+    order = torch.randperm(len(wins), generator=gen, device="cpu").tolist()[: n_groups * rc.win_episodes]
+    rows = []
+    for i in order:
+        a = wins[i]
+        for ctx, actions in zip(a.contexts, a.actions):
+            prompt = render_prompt(policy.tokenizer, user_message(ctx, cfg.agent, ctx.hint), system)
+            rows.append(Trajectory(a.env, a.seed, -1, prompt + list(actions), [0] * len(prompt) + [1] * len(actions), [0.0] * (len(prompt) + len(actions)), 1.0, True))
+    return WinStep(rows, {"route/win_episodes": float(len(order)), "route/win_rows": float(len(rows))})
+
+
+# ----------------------------------------------------------------------------- teacher
+
+
+@dataclass
+class TeacherStep:
+    """The self-teacher's verdict on one step's policy rows."""
+
+    delta: torch.Tensor  # (n, L) Delta_t on the action tokens (centred with teacher.center)
+    trust_rows: torch.Tensor  # (n,) the trust applied to each row (x pass-rate, route and critical-step weights)
+    has_hint: torch.Tensor  # (n,) bool: the row's task had a teacher hint
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def critical_row_weights(attempts: list[Attempt], buffer: list[Attempt], cfg: RSIPOConfig) -> tuple[list[float], dict[str, float]]:
+    """teacher.critical: per row, the weight of the teacher term (`routing.critical_weights`):
+    each failed attempt is compared with the latest winning attempt of its game (same env and
+    seed; the buffer holds this step's attempts too); successful attempts keep weight 1."""
+    tc = cfg.teacher
+    winners: dict[tuple[str, int], Attempt] = {}
+    for a in buffer:  # oldest first: the latest win of each game wins
+        if a.success:
+            winners[(a.env, a.seed)] = a
+    weights: list[float] = []
+    failed = matched = 0
+    turns = []
+    for a in attempts:
+        if a.success:
+            weights += [1.0] * len(a.contexts)
+            continue
+        failed += 1
+        won = winners.get((a.env, a.seed))
+        turn = None
+        if won is not None:
+            turn = divergence_turn([(c.observation, t) for c, t in zip(a.contexts, a.texts)], [(c.observation, t) for c, t in zip(won.contexts, won.texts)])
+        if turn is not None:
+            matched += 1
+            turns.append(turn)
+        weights += critical_weights(len(a.contexts), turn, tc.critical, tc.critical_before, tc.critical_unmatched)
+    metrics = {
+        "teacher/critical_matched_frac": matched / failed if failed else float("nan"),
+        "teacher/critical_turn_mean": sum(turns) / len(turns) if turns else float("nan"),
+    }
+    return weights, metrics
+
+
+def teach(policy: Policy, played: Played, skills: SkillStep, library: SkillLibrary, trust: TrustEstimator, pool: EnvPool, buffer: list[Attempt],
+          routes: torch.Tensor, mask: torch.Tensor, cfg: RSIPOConfig, system: str | None, multi_turn: bool, step: int) -> TeacherStep:
+    """Delta on every policy row whose task has a teacher hint (`mask  # (n, L)`: their action
+    tokens), the trust applied to each row, and this step's agreement trials (which update
+    `trust` and the library's counts, for later steps)."""
+    tc, dev, G = cfg.teacher, policy.device, cfg.train.group_size
+    n = mask.shape[0]
+    if tc.source == "none":
+        return TeacherStep(torch.zeros_like(mask), torch.zeros(n, device=dev), torch.zeros(n, dtype=torch.bool, device=dev))
+    attempts, row_attempt = played.attempts, played.row_attempt
+    hints, groups = teacher_hints(attempts, cfg, library, pool, multi_turn, G)
+    row_hints = [hints[a] for a in row_attempt]
+    teacher, student = teacher_logprobs(policy, played.rows, played.row_context, row_hints, cfg, system)
+    logp_teacher, logp_student = torch.zeros_like(mask), torch.zeros_like(mask)  # (n, L), aligned on the action tokens
+    logp_teacher[mask.bool()], logp_student[mask.bool()] = torch.cat(teacher), torch.cat(student)
+    delta = teacher_shift(logp_teacher, logp_student, mask)  # (n, L)
+    has_hint = torch.tensor([h is not None for h in row_hints], device=dev)
+    for sid in {g for g in groups if isinstance(g, int)}:
+        library.record_use(sid, step, sum(len(attempts[a].contexts) for a in range(len(attempts)) if groups[a] == sid))
+    # trust from earlier steps' trials (fixed: OPID-like), x sqrt(p(1-p)) with SC-SDPO weighting, x the route's gate
+    attempt_trust = torch.tensor([0.0 if g is None else (cfg.trust.fixed if cfg.trust.mode == "fixed" else trust.trust(g)) for g in groups], device=dev)
+    if tc.weighting == "pass_rate":
+        attempt_trust = attempt_trust * pass_rate_weights(played.success).reshape(-1).to(dev)
+    if cfg.route.mode == "pass_rate":
+        rc = cfg.route
+        attempt_trust = attempt_trust * route_gate(routes, rc.teacher_all_fail, rc.teacher_mixed, rc.teacher_all_win).repeat_interleave(G).to(dev)
+    trust_rows = attempt_trust[row_attempt]
+    metrics: dict[str, float] = {}
+    if tc.critical != "off":  # the failed episodes' turns from where they left a winning path
+        weights, metrics = critical_row_weights(attempts, buffer, cfg)
+        trust_rows = trust_rows * torch.tensor(weights, device=dev)  # (n,)
+        metrics["teacher/critical_rows_frac"] = sum(w > 0 for w in weights) / max(len(weights), 1)
+    # this step's agreement trials: sign of the attempt's mean Delta vs its outcome advantage
+    row_attempt_idx = torch.tensor(row_attempt, device=dev)  # (n,)
+    sums = torch.zeros(len(attempts), device=dev).index_add(0, row_attempt_idx, (delta * mask).sum(1))
+    counts = torch.zeros(len(attempts), device=dev).index_add(0, row_attempt_idx, mask.sum(1))
+    mean_delta = sums / counts.clamp_min(1)  # (attempts,)
+    attempt_hint = torch.tensor([h is not None for h in hints], device=dev)  # (attempts,)
+    if tc.center == "group":  # Delta relative to the group's hinted attempts, like A_outcome
+        offset = group_offsets(mean_delta, attempt_hint, G)  # (attempts,)
+        mean_delta = mean_delta - offset
+        delta = (delta - offset[row_attempt_idx][:, None]) * mask * has_hint[:, None]
+    outcome = played.advantages.reshape(-1).to(dev)  # (attempts,)
+    is_source = [skills.admitted.get(g) == a or skills.partners.get(g) == a for a, g in enumerate(groups)]  # the skill agrees with them by construction
+    trials = agreement_trials(groups, mean_delta.tolist(), outcome.tolist(), is_source, cfg.trust.threshold)
+    trust.update(trials)
+    counts_now = {g: (a_g, n_g) for g, a_g, n_g, _ in trust.state_dict()["groups"]}
+    for g in trials:
+        if isinstance(g, int):  # the skill's decayed counts, as of its latest trial
+            library.record_trust(g, *counts_now[g])
+    metrics.update(teacher_summary(delta, mask, has_hint, mean_delta, outcome, attempt_hint, trust_rows, trust, trials))
+    return TeacherStep(delta, trust_rows, has_hint, metrics)
+
+
+# ----------------------------------------------------------------------------- advantages
+
+
+def combine_imitation(terms: list[tuple[torch.Tensor, float]]) -> Imitation | None:
+    """One imitation term from several (weights, coef): coef x weights when there is one,
+    else the coefficient-weighted sum of the weights with coef 1."""
+    if not terms:
+        return None
+    if len(terms) == 1:
+        return Imitation(*terms[0])
+    return Imitation(sum(c * w for w, c in terms), 1.0)
+
+
+def set_advantages(batch, played: Played, skills: SkillStep, hinted: HintedStep, wins: WinStep, taught: TeacherStep, cfg: RSIPOConfig) -> tuple[Imitation | None, dict, dict]:
+    """Fill `batch.advantages  # (N, L)`: the policy rows' A_t = A_outcome + lam T_g psi(Delta_t),
+    the writing rows' coef x normalised replay reward, the hinted rows' coef x w_t x (R - b),
+    0 on the win rows; each part scaled to be averaged over its own tokens (`part_scales`).
+    Returns the imitation term (SEED-like teacher, wins), the advantage shares and metrics."""
+    tc, dev = cfg.teacher, batch.device
+    n = len(played.rows)
+    parts = [n, len(skills.rows), len(hinted.rows), len(wins.rows)]
+    bounds = [(sum(parts[:i]), sum(parts[: i + 1])) for i in range(len(parts))]
+    mask = batch.action_mask[:n]  # (n, L)
+    teacher_mask = mask * taught.has_hint[:, None]  # (n, L)
+    route = "failed" if tc.route == "failed" else None
+    row_success = torch.tensor([played.attempts[a].success for a in played.row_attempt], device=dev)
+    lam_adv = tc.lam if tc.mode == "advantage" else 0.0
+    psi_values = psi(taught.delta, teacher_mask, tc.clip, tc.scale, tc.negative_scale)  # (n, L)
+    token_adv, shares = token_advantages(played.row_adv.to(dev), psi_values, taught.trust_rows, lam_adv, mask, route, row_success)  # (n, L)
+    scales = part_scales(batch.action_mask, parts, cfg.algo.agg)
+    adv = torch.zeros_like(batch.action_mask)  # (N, L) policy rows, writing rows, hinted rows, win rows
+    adv[:n] = token_adv * scales[0]
+    lo, hi = bounds[1]
+    if skills.rows:
+        adv[lo:hi] = skills.advantages.to(dev)[:, None] * batch.action_mask[lo:hi] * scales[1]
+    lo, hi = bounds[2]
+    if hinted.rows:
+        block = torch.zeros_like(batch.action_mask[lo:hi])
+        block[batch.action_mask[lo:hi].bool()] = torch.cat(hinted.advantages).to(dev)
+        adv[lo:hi] = block * scales[2]
+    batch.advantages = adv
+    # imitation terms, each a token mean over its own rows
+    terms, metrics = [], {}
+    token_scales = part_scales(batch.action_mask, parts, "token-mean")
+    if tc.mode == "imitation" and tc.source != "none":
+        weights = seed_imitation_weights(taught.delta, teacher_mask, tc.imitation_temperature) * taught.trust_rows[:, None]  # (n, L)
+        if route == "failed":
+            weights = weights * (~row_success).float()[:, None]
+        full = torch.zeros_like(batch.action_mask)
+        full[:n] = weights * token_scales[0]
+        terms.append((full, tc.lam))
+        metrics["teacher/imitation_weight_mean"] = (weights.sum() / teacher_mask.sum().clamp_min(1)).item()
+    lo, hi = bounds[3]
+    if wins.rows:
+        full = torch.zeros_like(batch.action_mask)
+        full[lo:hi] = batch.action_mask[lo:hi] * token_scales[3]
+        terms.append((full, cfg.route.win_coef))
+    return combine_imitation(terms), shares, metrics
+
+
 # ----------------------------------------------------------------------------- the loop
 
 
 def term_scales(action_mask: torch.Tensor, n: int, agg: str) -> tuple[float, float]:
-    """Factors on the advantages of the first n rows (policy) and of the rest (skill writing)
-    that turn one aggregation over all rows into the sum of two, each over its own rows:
-    token-mean divides by tokens, the seq-mean modes by rows. (1, 1) without writing rows.
-    Exact for one mini-batch per epoch; with more, each mini-batch is split in the batch's
-    proportions, not its own."""
-    if n == action_mask.shape[0]:
-        return 1.0, 1.0
-    if agg == "token-mean":
-        a, b = float(action_mask[:n].sum()), float(action_mask[n:].sum())
-    else:
-        a, b = float(n), float(action_mask.shape[0] - n)
-    return (a + b) / a, (a + b) / b
+    """Factors on the advantages of the first n rows (policy) and of the rest (skill writing):
+    `losses.part_scales` with two parts."""
+    policy_scale, writing_scale = part_scales(action_mask, [n, action_mask.shape[0] - n], agg)
+    return policy_scale, writing_scale
 
 
 def _make_trust(cfg: RSIPOConfig) -> TrustEstimator:
@@ -539,6 +1024,65 @@ def teacher_summary(delta, mask, has_hint, mean_delta, outcome, attempt_hint, tr
     }
 
 
+def step_metrics(played: Played, skills: SkillStep, hinted: HintedStep, wins: WinStep, taught: TeacherStep, shares: dict, extra: dict, routes: torch.Tensor,
+                 st: UpdateStats, n_batch: int, cfg: RSIPOConfig, opt_step: int, episodes: int, times: list[float]) -> dict:
+    """Every metric of one step (`times`: the perf_counter at the start of the step and after
+    rollout, skills, hatch, teacher and update)."""
+    t0, t1, t2, t3, t4, t5 = times
+    rows, rewards = played.rows, played.rewards
+    lengths = torch.tensor([t.num_action_tokens for t in rows], dtype=torch.float32, device="cpu")
+    prompt_tokens = sum(len(t.token_ids) - t.num_action_tokens for t in rows)
+    metrics = {
+        **played.metrics,
+        "reward/mean": rewards.mean().item(),
+        "reward/std": rewards.std().item(),
+        "reward/success_rate": played.success.float().mean().item(),
+        "reward/zero_std_groups": (rewards.std(dim=1) == 0).float().mean().item(),
+        **route_counts(routes),
+        "advantage/abs_mean": played.advantages.abs().mean().item(),
+        "advantage/outcome_abs": shares["outcome_abs"],
+        "advantage/teacher_abs": shares["teacher_abs"],
+        "teacher/share": shares["teacher_share"],
+        **taught.metrics,
+        **extra,
+        **skills.metrics,
+        **hinted.metrics,
+        **wins.metrics,
+        "episodes/sampled": len(played.attempts) + hinted.episodes,
+        "episodes/rescored": skills.rescored,
+        "budget/episodes": episodes,
+        **update_metrics(st, rows, n_batch, cfg, opt_step),
+        "time/rollout_s": t1 - t0,
+        "time/skills_s": t2 - t1,
+        "time/teacher_s": t4 - t3,
+        "time/update_s": t5 - t4,
+        "time/step_s": t5 - t0,
+        "throughput/gen_tokens_per_s": played.gen_stats.generated_tokens / max(t1 - t0, 1e-9),
+        "throughput/tokens_per_s": (prompt_tokens + lengths.sum().item()) / max(t5 - t0, 1e-9),
+    }
+    if cfg.hatch.enabled or cfg.route.mode != "off":
+        metrics["time/hatch_s"] = t3 - t2
+    return metrics
+
+
+def final_evals(policy: Policy, cfg: RSIPOConfig, run, library: SkillLibrary, multi_turn: bool, gate, hints_for, progress, log) -> None:
+    """eval/after.json (with the in-context skills when skills.in_context); with skills.eval_both
+    also the other library setting on the same weights: eval/after_skills.json (library in the
+    prompts) or eval/after_no_skills.json (none), logged as eval_skills/* metrics."""
+    out, store, pool = run.store.path, run.store, run.pool
+    if not (cfg.eval.after and cfg.eval.n > 0):
+        return
+    if not (out / "eval" / "after.json").exists():
+        r = run_eval(policy, cfg, pool, store, cfg.train.steps, "after", progress, gate, hints=hints_for)
+        log(f"after: success {r.success_rate:.3f} [{r.ci95[0]:.3f}, {r.ci95[1]:.3f}] on {r.n} {cfg.eval.split} items")
+    if cfg.skills.eval_both:
+        label = "after_no_skills" if cfg.skills.in_context else "after_skills"
+        other = None if cfg.skills.in_context else (lambda seeds: library_hints(library, pool, seeds, cfg, multi_turn))
+        if not (out / "eval" / f"{label}.json").exists():
+            r = run_eval(policy, cfg, pool, store, cfg.train.steps, label, progress, gate, hints=other, prefix="eval_skills")
+            log(f"{label}: success {r.success_rate:.3f} [{r.ci95[0]:.3f}, {r.ci95[1]:.3f}] on {r.n} {cfg.eval.split} items")
+
+
 def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress | None = None, log: Callable[[str], None] = print) -> Path:
     """Run the recipe into `out` (continuing from its last checkpoint when `resume`)."""
     run = open_run(cfg, out, resume, log, kl_reference=cfg.algo.kl_coef > 0, detail=f"; teacher {cfg.teacher.source}")
@@ -547,18 +1091,18 @@ def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress 
     library = SkillLibrary(store.db)  # the `skills` table of the run's ledger.sqlite
     trust = _make_trust(cfg)
     buffer: deque[Attempt] = deque(maxlen=cfg.skills.buffer_size)
-    start_step, opt_step = run.start_step, run.opt_steps
+    B, G = cfg.train.prompts_per_step, cfg.train.group_size
+    opt_step, episodes = run.opt_steps, int(run.state.get("episodes", run.start_step * B * G))
     if run.state:
-        state = run.state
-        library.restore(state["skills"])  # the library as it was at the checkpoint
-        trust.load_state_dict(state["trust"])
+        library.restore(run.state["skills"])  # the library as it was at the checkpoint
+        trust.load_state_dict(run.state["trust"])
         buffer.extend(Attempt.from_json(r) for r in store.read_jsonl("replay"))
-        log(f"restored {len(library)} skills and {len(buffer)} replayable attempts (step {start_step}/{cfg.train.steps})")
+        log(f"restored {len(library)} skills and {len(buffer)} replayable attempts (step {run.start_step}/{cfg.train.steps})")
     else:  # a new run (or one resumed before its first checkpoint) starts with an empty library
         library.restore([])
     # skills.in_context: the policy sees its library's skill for each task in rollouts and in every evaluation
     hints_for = (lambda seeds: library_hints(library, pool, seeds, cfg, multi_turn)) if cfg.skills.in_context else None
-    gate = WeightsGate(cfg, store, pool, start_step, log, hints=hints_for) if cfg.gate.mode != "off" else None
+    gate = WeightsGate(cfg, store, pool, run.start_step, log, hints=hints_for) if cfg.gate.mode != "off" else None
     if gate is not None:
         gate.start(policy, optimizer, f"{cfg.model.name}{run.origin}")
     skill_gate = None
@@ -568,40 +1112,21 @@ def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress 
     eval_before(run, cfg, progress, log, hints=hints_for)
 
     sampling = SamplingParams(cfg.sampling.max_new_tokens, cfg.sampling.temperature, cfg.sampling.top_p, tuple(cfg.sampling.stop))
-    B, G = cfg.train.prompts_per_step, cfg.train.group_size
-    tc, sc = cfg.teacher, cfg.skills
-    for step in range(start_step, cfg.train.steps):
-        t0 = time.perf_counter()
+    for step in range(run.start_step, cfg.train.steps):
+        times = [time.perf_counter()]
         gen = step_generator(cfg.train.seed, step)
         seeds = train_seeds(cfg, step)
-        episode_metrics = {}
         shown = hints_for(seeds) if hints_for is not None else None  # (B,) the skill hint in each task's prompts, or None
 
-        # ---- rollout and outcome advantages (as GRPO) ----------------------------------
-        if multi_turn:
-            ero = rollout_episodes(policy, pool, seeds, G, sampling, gen, system, cfg.agent, hints=shown)
-            gen_stats = ero.stats
-            rewards = torch.tensor([e.total_reward for e in ero.episodes], dtype=torch.float32, device="cpu").view(B, G)  # (B, G)
-            advantages = compute_advantages(cfg.algo.advantage, rewards)  # (B, G)
-            rows, row_adv, episode_metrics = episode_rows(ero.episodes, advantages, cfg)  # one row per turn
-            attempts = episode_attempts(ero.episodes, step + 1, cfg.agent, shown)
-        else:
-            ro = rollout(policy, pool, seeds, G, sampling, gen, system, hints=shown)
-            gen_stats = ro.stats
-            rows = ro.trajectories
-            rewards = torch.tensor([t.reward for t in rows], dtype=torch.float32, device="cpu").view(B, G)  # (B, G)
-            advantages = compute_advantages(cfg.algo.advantage, rewards)  # (B, G)
-            row_adv = advantages.view(-1)
-            attempts = completion_attempts(rows, step + 1, shown)
-        row_attempt = [a for a, att in enumerate(attempts) for _ in att.contexts]  # (rows,) attempt of each row
-        row_context = [c for att in attempts for c in att.contexts]
-        success = torch.tensor([a.success for a in attempts], device="cpu").view(B, G)  # (B, G)
-        buffer.extend(attempts)
-        store.append_jsonl("replay", step + 1, [a.to_json() for a in attempts])
-        t1 = time.perf_counter()
+        # ---- rollout and outcome advantages (as GRPO); the attempts join the replay buffer
+        played = play(policy, pool, seeds, shown, sampling, gen, system, cfg, multi_turn, step + 1)
+        buffer.extend(played.attempts)
+        store.append_jsonl("replay", step + 1, [a.to_json() for a in played.attempts])
+        routes = group_routes(played.success)  # (B,) all_fail / mixed / all_win
+        times.append(time.perf_counter())
 
         # ---- skills: write K candidates per chosen attempt, reward them by replay, admit the best
-        skills = learn_skills(policy, attempts, list(buffer), library, cfg, system, gen, step + 1) if sc.enabled else SkillStep()
+        skills = learn_skills(policy, played.attempts, list(buffer), library, cfg, system, gen, step + 1) if cfg.skills.enabled else SkillStep()
         if skills.log:
             store.append_jsonl("skills", step + 1, skills.log)
         if shown is not None:
@@ -610,117 +1135,38 @@ def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress 
         if skill_gate is not None and ((step + 1) % cfg.gate.skills_every == 0 or step + 1 == cfg.train.steps):
             skills.metrics.update(skill_gate.check(policy, step + 1))
             skills.metrics["skills/library_size"] = float(len(library))
-        t2 = time.perf_counter()
+        times.append(time.perf_counter())
 
-        # ---- teacher: Delta on every row whose task has a hint ---------------------------
-        dev = policy.device
-        batch = collate(rows + skills.rows, torch.zeros(len(rows) + len(skills.rows), device="cpu"), policy.tokenizer.pad_token_id, dev)
-        n = len(rows)
-        mask = batch.action_mask[:n]  # (n, L) the policy rows' action tokens
-        delta = torch.zeros_like(mask)  # (n, L)
-        trust_rows = torch.zeros(n, device=dev)  # (n,) T_g (x the pass-rate weight) of each row's teacher
-        has_hint = torch.zeros(n, dtype=torch.bool, device=dev)
-        teacher_metrics: dict[str, float] = {}
-        if tc.source != "none":
-            hints, groups = teacher_hints(attempts, cfg, library, pool, multi_turn, G)
-            row_hints = [hints[a] for a in row_attempt]
-            teacher, student = teacher_logprobs(policy, rows, row_context, row_hints, cfg, system)
-            logp_teacher, logp_student = torch.zeros_like(mask), torch.zeros_like(mask)  # (n, L), aligned on the action tokens
-            logp_teacher[mask.bool()], logp_student[mask.bool()] = torch.cat(teacher), torch.cat(student)
-            delta = teacher_shift(logp_teacher, logp_student, mask)  # (n, L)
-            has_hint = torch.tensor([h is not None for h in row_hints], device=dev)
-            for sid in {g for g in groups if isinstance(g, int)}:
-                library.record_use(sid, step + 1, sum(len(attempts[a].contexts) for a in range(len(attempts)) if groups[a] == sid))
-            # trust from earlier steps' trials (fixed: OPID-like), x sqrt(p(1-p)) with SC-SDPO weighting
-            attempt_trust = torch.tensor([0.0 if g is None else (cfg.trust.fixed if cfg.trust.mode == "fixed" else trust.trust(g)) for g in groups], device=dev)
-            if tc.weighting == "pass_rate":
-                attempt_trust = attempt_trust * pass_rate_weights(success).reshape(-1).to(dev)
-            trust_rows = attempt_trust[row_attempt]
-            # this step's agreement trials: sign of the attempt's mean Delta vs its outcome advantage
-            row_attempt_idx = torch.tensor(row_attempt, device=dev)  # (n,)
-            sums = torch.zeros(len(attempts), device=dev).index_add(0, row_attempt_idx, (delta * mask).sum(1))
-            counts = torch.zeros(len(attempts), device=dev).index_add(0, row_attempt_idx, mask.sum(1))
-            mean_delta = sums / counts.clamp_min(1)  # (attempts,)
-            attempt_hint = torch.tensor([h is not None for h in hints], device=dev)  # (attempts,)
-            if tc.center == "group":  # Delta relative to the group's hinted attempts, like A_outcome
-                offset = group_offsets(mean_delta, attempt_hint, G)  # (attempts,)
-                mean_delta = mean_delta - offset
-                delta = (delta - offset[row_attempt_idx][:, None]) * mask * has_hint[:, None]
-            outcome = advantages.reshape(-1).to(dev)  # (attempts,)
-            is_source = [skills.admitted.get(g) == a for a, g in enumerate(groups)]
-            trials = agreement_trials(groups, mean_delta.tolist(), outcome.tolist(), is_source, cfg.trust.threshold)
-            trust.update(trials)
-            counts_now = {g: (a_g, n_g) for g, a_g, n_g, _ in trust.state_dict()["groups"]}
-            for g in trials:
-                if isinstance(g, int):  # the skill's decayed counts, as of its latest trial
-                    library.record_trust(g, *counts_now[g])
-            teacher_metrics = teacher_summary(delta, mask, has_hint, mean_delta, outcome, attempt_hint, trust_rows, trust, trials)
-        t3 = time.perf_counter()
+        # ---- all-fail groups: hinted re-rolls (hatch); all-win groups: stored successes (route)
+        hinted = hinted_rerolls(policy, pool, played, seeds, shown, library, sampling, gen, cfg, system, multi_turn, step) if cfg.hatch.enabled else HintedStep()
+        wins = win_rows(policy, list(buffer), routes, cfg, system, gen)
+        times.append(time.perf_counter())
 
-        # ---- token advantages: A_t = A_outcome + lam T_g psi(Delta_t) -------------------------
-        teacher_mask = mask * has_hint[:, None]  # (n, L)
-        route = "failed" if tc.route == "failed" else None
-        row_success = torch.tensor([attempts[a].success for a in row_attempt], device=dev)
-        lam_adv = tc.lam if tc.mode == "advantage" else 0.0
-        psi_values = psi(delta, teacher_mask, tc.clip, tc.scale, tc.negative_scale)  # (n, L)
-        token_adv, shares = token_advantages(row_adv.to(dev), psi_values, trust_rows, lam_adv, mask, route, row_success)  # (n, L)
-        # loss = L_policy (over the action tokens) + coef * L_writing (over the writing tokens): the update
-        # aggregates all rows at once, and the per-token loss is linear in A, so scaling each part's
-        # advantages by its share of the aggregation's denominator keeps the two terms apart
-        policy_scale, writing_scale = term_scales(batch.action_mask, n, cfg.algo.agg)
-        adv = torch.zeros_like(batch.action_mask)  # (N, L) policy rows, then writing rows
-        adv[:n] = token_adv * policy_scale
-        if skills.rows:
-            adv[n:] = skills.advantages.to(dev)[:, None] * batch.action_mask[n:] * writing_scale
-        batch.advantages = adv
-        imitation = None
-        if tc.mode == "imitation" and tc.source != "none":
-            weights = seed_imitation_weights(delta, teacher_mask, tc.imitation_temperature) * trust_rows[:, None]  # (n, L)
-            if route == "failed":
-                weights = weights * (~row_success).float()[:, None]
-            full = torch.zeros_like(batch.action_mask)
-            full[:n] = weights * term_scales(batch.action_mask, n, "token-mean")[0]  # the imitation term is a token mean
-            imitation = Imitation(full, tc.lam)
-            teacher_metrics["teacher/imitation_weight_mean"] = (weights.sum() / teacher_mask.sum().clamp_min(1)).item()
+        # ---- teacher: Delta on every row whose task has a hint, the trust applied, this step's trials
+        rows = played.rows + skills.rows + hinted.rows + wins.rows  # the policy's rows first; each part is averaged over its own tokens
+        batch = collate(rows, torch.zeros(len(rows), device="cpu"), policy.tokenizer.pad_token_id, policy.device)
+        taught = teach(policy, played, skills, library, trust, pool, list(buffer), routes, batch.action_mask[: len(played.rows)], cfg, system, multi_turn, step + 1)
+        times.append(time.perf_counter())
 
+        # ---- token advantages, then one update on the policy, writing, hinted and win rows
+        imitation, shares, extra = set_advantages(batch, played, skills, hinted, wins, taught, cfg)
         st = update(policy, optimizer, batch, cfg, gen, opt_step, imitation, learner=run.learner)
         opt_step += st.opt_steps
-        t4 = time.perf_counter()
+        episodes += len(played.attempts) + hinted.episodes
+        times.append(time.perf_counter())
 
-        lengths = torch.tensor([t.num_action_tokens for t in rows], dtype=torch.float32, device="cpu")
-        prompt_tokens = sum(len(t.token_ids) - t.num_action_tokens for t in rows)
-        metrics = {
-            **episode_metrics,
-            "reward/mean": rewards.mean().item(),
-            "reward/std": rewards.std().item(),
-            "reward/success_rate": success.float().mean().item(),
-            "reward/zero_std_groups": (rewards.std(dim=1) == 0).float().mean().item(),
-            "advantage/abs_mean": advantages.abs().mean().item(),
-            "advantage/outcome_abs": shares["outcome_abs"],
-            "advantage/teacher_abs": shares["teacher_abs"],
-            "teacher/share": shares["teacher_share"],
-            **teacher_metrics,
-            **skills.metrics,
-            "budget/episodes": (step + 1) * B * G,
-            **update_metrics(st, rows, len(batch), cfg, opt_step),
-            "time/rollout_s": t1 - t0,
-            "time/skills_s": t2 - t1,
-            "time/teacher_s": t3 - t2,
-            "time/update_s": t4 - t3,
-            "time/step_s": t4 - t0,
-            "throughput/gen_tokens_per_s": gen_stats.generated_tokens / max(t1 - t0, 1e-9),
-            "throughput/tokens_per_s": (prompt_tokens + lengths.sum().item()) / max(t4 - t0, 1e-9),
-        }
+        metrics = step_metrics(played, skills, hinted, wins, taught, shares, extra, routes, st, len(batch), cfg, opt_step, episodes, times)
         store.log_metrics(step + 1, metrics)
         store.log_samples(step + 1, [
-            {"seed": t.seed, "prompt": t.prompt_text, "completion": t.completion_text, "reward": t.reward, "advantage": float(row_adv[i])}
-            for i, t in list(enumerate(rows))[: cfg.run.log_samples]
+            {"seed": t.seed, "prompt": t.prompt_text, "completion": t.completion_text, "reward": t.reward, "advantage": float(played.row_adv[i])}
+            for i, t in list(enumerate(played.rows))[: cfg.run.log_samples]
         ])
         if progress:
             progress("train", step + 1, cfg.train.steps)
         log(
-            f"step {step + 1}/{cfg.train.steps}  reward {metrics['reward/mean']:.3f}  teacher share {shares['teacher_share']:.3f}  "
-            f"skills {len(library)}  rollout {t1 - t0:.1f}s  skills {t2 - t1:.1f}s  teacher {t3 - t2:.1f}s  update {t4 - t3:.1f}s"
+            f"step {step + 1}/{cfg.train.steps}  reward {metrics['reward/mean']:.3f}  teacher share {shares['teacher_share']:.3f}  skills {len(library)}  "
+            f"episodes {metrics['episodes/sampled']}  rollout {metrics['time/rollout_s']:.1f}s  skills {metrics['time/skills_s']:.1f}s  "
+            f"teacher {metrics['time/teacher_s']:.1f}s  update {metrics['time/update_s']:.1f}s"
         )
         done = step + 1
         if gate is not None and (done % cfg.gate.every == 0 or done == cfg.train.steps):
@@ -729,16 +1175,14 @@ def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress 
             r = run_eval(policy, cfg, pool, store, done, f"step_{done:04d}", progress, gate, hints=hints_for)
             log(f"eval @ {done}: success {r.success_rate:.3f} [{r.ci95[0]:.3f}, {r.ci95[1]:.3f}]")
         if (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0) or done == cfg.train.steps:
-            saved = {"opt_steps": opt_step, "trust": trust.state_dict(), "skills": library.snapshot()}
+            saved = {"opt_steps": opt_step, "trust": trust.state_dict(), "skills": library.snapshot(), "episodes": episodes}
             if skill_gate is not None:
                 saved["skills_incumbent"] = skill_gate.incumbent  # the last accepted library, for a resumed skills gate
             store.save_checkpoint(done, policy, optimizer, saved)
 
     if cfg.train.steps == 0 and store.latest_checkpoint() is None:
-        store.save_checkpoint(0, policy, optimizer, {"opt_steps": 0, "trust": trust.state_dict(), "skills": library.snapshot()})
-    if cfg.eval.after and cfg.eval.n > 0 and not (out / "eval" / "after.json").exists():
-        r = run_eval(policy, cfg, pool, store, cfg.train.steps, "after", progress, gate, hints=hints_for)
-        log(f"after: success {r.success_rate:.3f} [{r.ci95[0]:.3f}, {r.ci95[1]:.3f}] on {r.n} {cfg.eval.split} items")
+        store.save_checkpoint(0, policy, optimizer, {"opt_steps": 0, "trust": trust.state_dict(), "skills": library.snapshot(), "episodes": 0})
+    final_evals(policy, cfg, run, library, multi_turn, gate, hints_for, progress, log)
     store.close()
     pool.close()
     return out

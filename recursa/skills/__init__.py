@@ -4,6 +4,7 @@ retrieved into later contexts.
     writing.py    the prompt that asks for a skill, and the parser of the reply
     library.py    the SQLite library: provenance, versions, usage, trust, rollbacks
     retrieval.py  BM25 (default) or embedding retrieval of the skills for a task
+    curator.py    rules that reject single-action or junk skills, merge near-duplicates, retire useless ones
 """
 
 from recursa.skills.library import Skill, SkillLibrary, SkillStats, normalise
@@ -11,6 +12,7 @@ from recursa.skills.retrieval import BM25Index, EmbeddingRetriever, retrieve, re
 from recursa.skills.writing import (
     ParsedSkill,
     SkillWritingStats,
+    contrastive_writing_prompt,
     parse_skill,
     render_trajectory_for_skill,
     skill_writing_prompt,
@@ -24,6 +26,7 @@ __all__ = [
     "SkillLibrary",
     "SkillStats",
     "SkillWritingStats",
+    "contrastive_writing_prompt",
     "normalise",
     "parse_skill",
     "render_trajectory_for_skill",

@@ -144,6 +144,19 @@ def skill_writing_prompt(trajectory_text: str, won: bool, max_words: int) -> str
     )
 
 
+def contrastive_writing_prompt(success_text: str, failure_text: str, max_words: int) -> str:
+    """The user message asking for one rule from a success and a failure of the same task
+    (GRASP / SEED-like contrastive writing): what the successful attempt did that the failed
+    one did not, as "When <situation>, do <what worked>, not <what failed>"."""
+    return (
+        "Here are two attempts at the same task. The first succeeded, the second failed.\n\n"
+        f"SUCCESSFUL ATTEMPT\n{success_text}\n\nFAILED ATTEMPT\n{failure_text}\n\n"
+        "Write one rule that explains the difference, in the form: When <situation>, do <what the successful attempt did>, "
+        "not <what the failed attempt did>.\n"
+        f"Use at most {max_words} words. Reply with one line that starts with {MARKER} and nothing else."
+    )
+
+
 @dataclass
 class ParsedSkill:
     """One parsed reply.  `text` is the rule (None when invalid); `reason` is "ok" or
