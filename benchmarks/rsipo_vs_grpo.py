@@ -61,7 +61,7 @@ if str(REPO) not in sys.path:
 RESULTS = REPO / "benchmarks" / "results" / "self_improve"
 ABLATIONS_DIR = REPO / "examples" / "rsipo_ablations"
 ABLATIONS = tuple(sorted(p.stem for p in ABLATIONS_DIR.glob("*.toml")))
-RSIPO_SECTIONS = ("teacher", "trust", "skills", "hints", "route")  # what an ablation config may switch
+RSIPO_SECTIONS = ("teacher", "trust", "skills", "hatch", "route")  # what an ablation config may switch
 BASE_RECIPES = ("warm_start", "grpo", "rsipo")
 # Part of every run's settings: bump it when a change to recursa alters what an existing
 # configuration does (a new switch does not: its --set is part of the settings), so that
@@ -417,9 +417,16 @@ def summarise(result: dict) -> dict:
         items = item_map(entry)
         k, n = sum(items.values()), len(items)
         row = {"pooled": [k, n, *wilson_interval(k, n)] if n else None}
-        for base in ("warm_start", "grpo"):
-            if base in recipes and base != name and name != "warm_start":
-                row[f"vs_{base}"] = compare(item_map(recipes[base]), items)
+        if "warm_start" in recipes and name != "warm_start":
+            row["vs_warm_start"] = compare(item_map(recipes["warm_start"]), items)
+        if "grpo" in recipes and name not in ("grpo", "warm_start"):
+            # at equal budgets: a recipe that sampled more episodes than GRPO (hinted re-rolls) is
+            # compared at its last evaluation within GRPO's episodes
+            budget = min(s["episodes"] for s in recipes["grpo"]["seeds"])
+            over = any(s["episodes"] > budget for s in entry["seeds"])
+            row["vs_grpo"] = compare(item_map(recipes["grpo"]), item_map(entry, "curve", budget) if over else items)
+            if row["vs_grpo"] is not None:
+                row["vs_grpo"]["at_episodes"] = budget if over else None
         if "grpo" in recipes and name not in ("grpo", "warm_start"):
             target = sum(item_map(recipes["grpo"]).values()) / max(len(item_map(recipes["grpo"])), 1)
             points = sorted({p["episodes"] for s in entry["seeds"] for p in s["curve"]})
@@ -437,7 +444,8 @@ def summarise(result: dict) -> dict:
 def _fmt_cmp(c: dict | None) -> str:
     if c is None:
         return "-"
-    return (f"{c['diff']:+.3f} [{c['diff_ci95'][0]:+.3f}, {c['diff_ci95'][1]:+.3f}] p>={c['p_greater']:.2g}"
+    at = f" (at <= {c['at_episodes']} episodes)" if c.get("at_episodes") else ""
+    return (f"{c['diff']:+.3f}{at} [{c['diff_ci95'][0]:+.3f}, {c['diff_ci95'][1]:+.3f}] p>={c['p_greater']:.2g}"
             f" (games: [{c['cluster_ci95'][0]:+.3f}, {c['cluster_ci95'][1]:+.3f}] p={c['cluster_p_greater']:.2g})")
 
 
