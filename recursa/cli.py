@@ -149,7 +149,10 @@ def cmd_eval(args) -> int:
         if args.policy != "model":
             result = evaluate_scripted(args.policy, pool, env_name, args.split, n, seed=cfg.train.seed, label=args.label or args.policy)
         else:
+            from recursa.engines import make_engine
+
             policy = load_policy(model_cfg, weights_dir=weights)
+            engine = make_engine(cfg.rollout, policy)  # rollout.engine: native (default) or vllm
             result = evaluate(
                 policy,
                 pool,
@@ -163,7 +166,9 @@ def cmd_eval(args) -> int:
                 label=args.label or (weights.name if weights else model_cfg.name),
                 progress=lambda d, t: progress("eval", d, t),
                 agent=cfg.agent,
+                engine=engine,
             )
+            engine.close()
     finally:
         progress.stop()
         pool.close()

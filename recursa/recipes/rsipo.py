@@ -85,6 +85,7 @@ from recursa.algorithms.distill import (
 )
 from recursa.algorithms.trust import TrustEstimator, agreement_trials
 from recursa.config import RSIPOConfig
+from recursa.engines import make_engine
 from recursa.envs import EnvPool, system_prompt_of
 from recursa.generation import SamplingParams, generate, sequence_logprobs, shared_prefix_logprobs
 from recursa.models import Policy
@@ -558,14 +559,15 @@ def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress 
         library.restore([])
     # skills.in_context: the policy sees its library's skill for each task in rollouts and in every evaluation
     hints_for = (lambda seeds: library_hints(library, pool, seeds, cfg, multi_turn)) if cfg.skills.in_context else None
-    gate = WeightsGate(cfg, store, pool, start_step, log, hints=hints_for) if cfg.gate.mode != "off" else None
+    engine = make_engine(cfg.rollout, policy)  # samples rollouts and decodes evaluations (skills and teacher use the trainer's module)
+    gate = WeightsGate(cfg, store, pool, start_step, log, hints=hints_for, engine=engine) if cfg.gate.mode != "off" else None
     if gate is not None:
         gate.start(policy, optimizer, f"{cfg.model.name}{run.origin}")
     skill_gate = None
     if gate is not None and cfg.gate.skills_every:  # the same lineage, truncated once by the WeightsGate
         skill_gate = SkillGate(cfg, pool, gate.lineage, library, lambda lib, seeds: library_hints(lib, pool, seeds, cfg, multi_turn),
-                               run.state.get("skills_incumbent"), log)
-    eval_before(run, cfg, progress, log, hints=hints_for)
+                               run.state.get("skills_incumbent"), log, engine=engine)
+    eval_before(run, cfg, progress, log, hints=hints_for, engine=engine)
 
     sampling = SamplingParams(cfg.sampling.max_new_tokens, cfg.sampling.temperature, cfg.sampling.top_p, tuple(cfg.sampling.stop))
     B, G = cfg.train.prompts_per_step, cfg.train.group_size
@@ -579,14 +581,14 @@ def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress 
 
         # ---- rollout and outcome advantages (as GRPO) ----------------------------------
         if multi_turn:
-            ero = rollout_episodes(policy, pool, seeds, G, sampling, gen, system, cfg.agent, hints=shown)
+            ero = rollout_episodes(policy, pool, seeds, G, sampling, gen, system, cfg.agent, hints=shown, engine=engine)
             gen_stats = ero.stats
             rewards = torch.tensor([e.total_reward for e in ero.episodes], dtype=torch.float32, device="cpu").view(B, G)  # (B, G)
             advantages = compute_advantages(cfg.algo.advantage, rewards)  # (B, G)
             rows, row_adv, episode_metrics = episode_rows(ero.episodes, advantages, cfg)  # one row per turn
             attempts = episode_attempts(ero.episodes, step + 1, cfg.agent, shown)
         else:
-            ro = rollout(policy, pool, seeds, G, sampling, gen, system, hints=shown)
+            ro = rollout(policy, pool, seeds, G, sampling, gen, system, hints=shown, engine=engine)
             gen_stats = ro.stats
             rows = ro.trajectories
             rewards = torch.tensor([t.reward for t in rows], dtype=torch.float32, device="cpu").view(B, G)  # (B, G)
@@ -685,6 +687,7 @@ def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress 
 
         st = update(policy, optimizer, batch, cfg, gen, opt_step, imitation)
         opt_step += st.opt_steps
+        engine.load_weights(policy)
         t4 = time.perf_counter()
 
         lengths = torch.tensor([t.num_action_tokens for t in rows], dtype=torch.float32, device="cpu")
@@ -726,7 +729,7 @@ def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress 
         if gate is not None and (done % cfg.gate.every == 0 or done == cfg.train.steps):
             store.log_metrics(done, gate.check(policy, optimizer, done, progress))
         if cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.train.steps and cfg.eval.n > 0:
-            r = run_eval(policy, cfg, pool, store, done, f"step_{done:04d}", progress, gate, hints=hints_for)
+            r = run_eval(policy, cfg, pool, store, done, f"step_{done:04d}", progress, gate, hints=hints_for, engine=engine)
             log(f"eval @ {done}: success {r.success_rate:.3f} [{r.ci95[0]:.3f}, {r.ci95[1]:.3f}]")
         if (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0) or done == cfg.train.steps:
             saved = {"opt_steps": opt_step, "trust": trust.state_dict(), "skills": library.snapshot()}
@@ -737,8 +740,9 @@ def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress 
     if cfg.train.steps == 0 and store.latest_checkpoint() is None:
         store.save_checkpoint(0, policy, optimizer, {"opt_steps": 0, "trust": trust.state_dict(), "skills": library.snapshot()})
     if cfg.eval.after and cfg.eval.n > 0 and not (out / "eval" / "after.json").exists():
-        r = run_eval(policy, cfg, pool, store, cfg.train.steps, "after", progress, gate, hints=hints_for)
+        r = run_eval(policy, cfg, pool, store, cfg.train.steps, "after", progress, gate, hints=hints_for, engine=engine)
         log(f"after: success {r.success_rate:.3f} [{r.ci95[0]:.3f}, {r.ci95[1]:.3f}] on {r.n} {cfg.eval.split} items")
+    engine.close()
     store.close()
     pool.close()
     return out
