@@ -243,6 +243,15 @@ def test_native_logprob_mismatch_is_zero_and_tis_changes_nothing(tmp_path):
         assert b["reward/mean"] == a["reward/mean"] and b["loss/policy"] == pytest.approx(a["loss/policy"], abs=1e-4)
 
 
+def test_mismatch_is_measured_when_no_row_is_trained(tmp_path):
+    """The random tiny model solves no arithmetic item, so every advantage is 0 and the update
+    runs no row; the mismatch is still measured (one scoring pass)."""
+    cfg = load_config("examples/smoke.toml", ["train.steps=1", "eval.n=0", "run.checkpoint_every=0"])
+    (row,) = _rows(grpo.train(cfg, tmp_path / "z", log=lambda *_: None))
+    assert row["reward/mean"] == 0.0 and row["batch/rows_run_frac"] == 0.0
+    assert 0 <= row["rollout/logprob_mismatch"] < 1e-4
+
+
 def test_tis_with_sampling_old_logprobs_is_refused():
     with pytest.raises(UserError, match="tis_cap"):
         load_config(None, ["rollout.tis_cap=2.0", "train.old_logprobs=sampling"])

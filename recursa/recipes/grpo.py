@@ -64,7 +64,7 @@ class UpdateStats:
     grad_norm: float = 0.0
     opt_steps: int = 0
     rows_run: int = 0  # rows forwarded (summed over epochs); fewer than rows x epochs when zero-advantage rows are skipped
-    logprob_mismatch: float = float("nan")  # mean |logp_engine - logp_trainer| at the rollout's weights, over the action tokens of the rows run
+    logprob_mismatch: float = float("nan")  # mean |logp_engine - logp_trainer| at the rollout's weights over action tokens (see `update`)
     tis_weight_mean: float = float("nan")  # mean truncated importance weight (rollout.tis_cap), over the tokens it weighted
     tis_clip_frac: float = 0.0  # share of those tokens whose weight was truncated at the cap
 
@@ -93,7 +93,8 @@ def update(
     the loss (RSIPO). Without either generalisation this is the GRPO update.
 
     The engine's log-probs (`batch.sample_logprobs`) are compared with the trainer's own at
-    the rollout's weights (`logprob_mismatch`), and with `rollout.tis_cap` they weight each
+    the rollout's weights (`logprob_mismatch`: over every row when the old log-probs are
+    recomputed up front or no row is run, else over the rows the update runs), and with `rollout.tis_cap` they weight each
     token's surrogate by min(exp(logp_trainer - logp_engine), cap) (truncated importance
     sampling, `losses.truncated_is_weights`)."""
     tc, ac = cfg.train, cfg.algo
@@ -114,11 +115,22 @@ def update(
         with policy.reference_context() as ref:
             logp_ref_all = _score(logprobs, ref, batch, temperature, tc.micro_batch_size, tc.logit_chunk)
 
+    # rollout/logprob_mismatch, the trainer's own log-probs at the rollout's weights against the
+    # engine's: recomputed old log-probs give them for every row up front; otherwise each run
+    # row's first forward does (before any optimizer step), or one scoring pass when the update
+    # runs no row at all (every advantage zero)
+    trainer_logp_all = logp_old_all if tc.old_logprobs == "recompute" else None
+    if trainer_logp_all is None and _runs_no_row(batch, cfg, imitation):
+        trainer_logp_all = _score(logprobs, model, batch, temperature, tc.micro_batch_size, tc.logit_chunk)
+    mismatch_sum, mismatch_tokens, tis_sum, tis_clipped, tis_tokens = 0.0, 0.0, 0.0, 0.0, 0.0
+    if trainer_logp_all is not None:
+        mismatch_sum = float(((trainer_logp_all - batch.sample_logprobs).abs() * batch.action_mask).sum().item())
+        mismatch_tokens = float(batch.action_mask.sum().item())
+
     model.train()
     out = UpdateStats()
     n_stats = 0
     ent_sum, ent_tokens = 0.0, 0.0
-    mismatch_sum, mismatch_tokens, tis_sum, tis_clipped, tis_tokens = 0.0, 0.0, 0.0, 0.0, 0.0
     groups = prompt_groups(batch)
     for epoch in range(tc.epochs):
         # shuffle whole prompt groups, so the rows of a group share micro-batches (and prefills)
@@ -153,7 +165,7 @@ def update(
                 token_weights = None
                 if trainer_old is not None:
                     logp_engine = mb.sample_logprobs[:, :L]
-                    if epoch == 0:
+                    if epoch == 0 and trainer_logp_all is None:
                         mismatch_sum += float(((trainer_old - logp_engine).abs() * mb.action_mask).sum().item())
                         mismatch_tokens += float(mb.action_mask.sum().item())
                     if tis_cap is not None:
@@ -208,6 +220,17 @@ def update(
     if tis_tokens:
         out.tis_weight_mean, out.tis_clip_frac = tis_sum / tis_tokens, tis_clipped / tis_tokens
     return out
+
+
+def _runs_no_row(batch: TrainBatch, cfg: GRPOConfig, imitation: Imitation | None) -> bool:
+    """Whether `update` skips every row (zero advantages, no KL term, no imitation weight)."""
+    if not (cfg.train.skip_zero_advantage and cfg.algo.kl_coef == 0):
+        return False
+    live = batch.advantages != 0
+    live = live.any(dim=1) if live.dim() == 2 else live
+    if imitation is not None and imitation.coef > 0:
+        live = live | (imitation.weights != 0).any(dim=1)
+    return not bool(live.any())
 
 
 def update_metrics(st: UpdateStats, rows: list[Trajectory], n_batch: int, cfg, opt_step: int) -> dict:
