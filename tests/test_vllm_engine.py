@@ -194,10 +194,11 @@ def test_train_then_eval_from_the_command_line(tmp_path):
     run = tmp_path / "run"
     common = ["--set", "rollout.engine='vllm'", "--set", "model.tiny.num_heads=2", "--set", "rollout.vllm.gpu_memory_utilization=0.1",
               "--set", "rollout.vllm.max_model_len=1024"]
-    train = ["train", "examples/smoke.toml", "--out", str(run), "--set", "train.steps=2", "--set", "eval.n=8", "--set", "rollout.tis_cap=2.0", *common]
+    train = ["train", "examples/smoke.toml", "--out", str(run), "--set", "train.steps=2", "--set", "eval.n=8", "--set", "rollout.tis_cap=2.0",
+             "--set", "env.name='toy-digits'", "--set", "env.kwargs={}", *common]  # digits: rewards vary, so rows are trained
     evaluate = ["eval", "--run", str(run), "--n", "8", "--json", str(tmp_path / "eval.json"), *common]
-    code = f"from recursa.cli import main\nassert main({train!r}) == 0\nassert main({evaluate!r}) == 0\n"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    code = f"import conftest\nfrom recursa.cli import main\nassert main({train!r}) == 0\nassert main({evaluate!r}) == 0\n"  # conftest: the toy envs
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
