@@ -7,13 +7,14 @@
     python benchmarks/engine_speed.py --device cuda --model random-1b --engines vllm --train-step --dtype bfloat16
 
 Each engine plays the same recursa rollouts (`recursa.rollout.rollout`: B prompts x G samples
-of the setting, env scoring included; the settings are `vs_trl.py`'s), `--repeats` times with
-the task seeds of steps 0, 1, ...; the first rollout of an engine is reported apart as its
-warm-up. The native engine runs first, before vLLM starts in the same process (vLLM's CPU
-worker binds this process's OpenMP threads). For vLLM it also reports the engine start and the
-weight publish (`load_weights`) seconds, and for every engine the mean |logp_engine -
-logp_trainer| of the sampled tokens (the trainer's own scoring, as `rollout/logprob_mismatch`).
-With `--train-step`, each repeat is a GRPO step: rollout, one `update()`, publish.
+of the setting, env scoring included; the settings are `vs_trl.py`'s) with the task seeds of
+steps 0, 1, ..., `--repeats` times after one warm-up round; in every round the engines take
+turns on the same rollout, so a change in the machine's load hits them alike. Reported per
+engine: start seconds (vLLM: engine start plus the first weight publish), the warm-up rollout,
+the median rollout, generated tokens per second, the weight publish (`load_weights`) seconds,
+and the mean |logp_engine - logp_trainer| of the sampled tokens (the trainer's own scoring,
+as `rollout/logprob_mismatch`). With `--train-step`, each engine's rollout is followed by one
+GRPO `update()` and the publish of the new weights to every engine.
 
 `random-1b` is a Llama of TinyLlama-1.1B's shape (22 layers, width 2048, 32 heads, 4 KV heads)
 with random weights built from its config (nothing downloaded), with the embedded model's
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -95,63 +97,77 @@ def trainer_mismatch(policy: Policy, trajectories, temperature: float) -> float:
     return float(((logp - batch.sample_logprobs).abs() * mask).sum() / mask.sum().clamp_min(1))
 
 
-def run_engine(name: str, policy: Policy, cfg, spec: dict, args) -> dict:
-    """Start the engine, then `repeats` rollouts (GRPO steps with --train-step)."""
-    rec: dict = {"engine": name, "rollout_s": [], "gen_tokens": [], "mismatch": [], "update_s": [], "publish_s": []}
-    t = time.perf_counter()
+def start_engine(name: str, policy: Policy, args):
     if name == "native":
-        engine = NativeEngine(policy)
-    else:
-        from recursa.engines.vllm_engine import VLLMEngine
+        return NativeEngine(policy)
+    from recursa.engines.vllm_engine import VLLMEngine
 
-        settings = VLLMSettings(gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=not args.compile)
-        engine = VLLMEngine(policy, settings)
-    rec["start_s"] = time.perf_counter() - t
+    return VLLMEngine(policy, VLLMSettings(gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=not args.compile))
+
+
+def run(names: list[str], policy: Policy, cfg, spec: dict, args) -> dict:
+    """Start every engine, then `repeats + 1` rounds (the first is the warm-up); in each round
+    every engine plays the same rollout, one after the other, so that a change in the
+    machine's load hits all engines alike. With --train-step, each engine's rollout is followed
+    by one `update()` and the publish of the new weights."""
     envs = EnvPool(lambda: vs_trl.make_setting_env(spec))
     sampling = SamplingParams(spec["max_new_tokens"], cfg.sampling.temperature, cfg.sampling.top_p, ())
     optimizer = make_optimizer([p for p in policy.model.parameters() if p.requires_grad], cfg) if args.train_step else None
     B, G = spec["prompts_per_step"], spec["group_size"]
-    for step in range(args.repeats + 1):  # + the warm-up
-        gen = step_generator(cfg.train.seed, step)
-        _sync(policy.device)
+    recs: dict[str, dict] = {}
+    engines = {}
+    for name in names:
         t = time.perf_counter()
-        ro = rollout(policy, envs, train_seeds(cfg, step), G, sampling, gen, spec["system_prompt"], engine=engine)
-        _sync(policy.device)
-        rec["rollout_s"].append(time.perf_counter() - t)
-        rec["gen_tokens"].append(ro.stats.generated_tokens)
-        rec["mismatch"].append(trainer_mismatch(policy, ro.trajectories, cfg.sampling.temperature))
-        if args.train_step:
-            rewards = torch.tensor([tr.reward for tr in ro.trajectories], dtype=torch.float32).view(B, G)
-            batch = collate(ro.trajectories, compute_advantages("grpo", rewards).view(-1), policy.tokenizer.pad_token_id, policy.device)
-            t = time.perf_counter()
-            update(policy, optimizer, batch, cfg, gen, step)
+        engines[name] = start_engine(name, policy, args)  # vLLM: start + the first publish of the weights
+        recs[name] = {"engine": name, "start_s": time.perf_counter() - t, "rollout_s": [], "gen_tokens": [], "mismatch": [], "update_s": [], "publish_s": []}
+    for step in range(args.repeats + 1):
+        for name, engine in engines.items():
+            rec = recs[name]
+            gen = step_generator(cfg.train.seed, step)
             _sync(policy.device)
-            rec["update_s"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            ro = rollout(policy, envs, train_seeds(cfg, step), G, sampling, gen, spec["system_prompt"], engine=engine)
+            _sync(policy.device)
+            rec["rollout_s"].append(time.perf_counter() - t)
+            rec["gen_tokens"].append(ro.stats.generated_tokens)
+            rec["mismatch"].append(trainer_mismatch(policy, ro.trajectories, cfg.sampling.temperature))
+            if args.train_step:
+                rewards = torch.tensor([tr.reward for tr in ro.trajectories], dtype=torch.float32).view(B, G)
+                batch = collate(ro.trajectories, compute_advantages("grpo", rewards).view(-1), policy.tokenizer.pad_token_id, policy.device)
+                t = time.perf_counter()
+                update(policy, optimizer, batch, cfg, gen, step)
+                _sync(policy.device)
+                rec["update_s"].append(time.perf_counter() - t)
+                for other in engines.values():  # every engine must hold the new weights
+                    t = time.perf_counter()
+                    other.load_weights(policy)
+                    _sync(policy.device)
+                    if other is engine:
+                        rec["publish_s"].append(time.perf_counter() - t)
+            print(f"{name} rollout {step}{' (warm-up)' if step == 0 else ''}: {rec['rollout_s'][-1]:.2f} s, {rec['gen_tokens'][-1]} tokens, "
+                  f"mismatch {rec['mismatch'][-1]:.2e}" + (f", update {rec['update_s'][-1]:.2f} s, publish {rec['publish_s'][-1]:.3f} s" if args.train_step else ""),
+                  flush=True)
+    for name, engine in engines.items():
+        rec = recs[name]
+        if name == "vllm" and not rec["publish_s"]:
             t = time.perf_counter()
             engine.load_weights(policy)
             _sync(policy.device)
-            rec["publish_s"].append(time.perf_counter() - t)
-        print(f"{name} rollout {step}{' (warm-up)' if step == 0 else ''}: {rec['rollout_s'][-1]:.2f} s, {rec['gen_tokens'][-1]} tokens, "
-              f"mismatch {rec['mismatch'][-1]:.2e}" + (f", update {rec['update_s'][-1]:.2f} s, publish {rec['publish_s'][-1]:.3f} s" if args.train_step else ""),
-              flush=True)
-    if name == "vllm":
-        t = time.perf_counter()
-        engine.load_weights(policy)
-        _sync(policy.device)
-        rec["publish_once_s"] = time.perf_counter() - t
-    engine.close()
-    timed = rec["rollout_s"][1:]
-    rec["warmup_rollout_s"] = rec["rollout_s"][0]
-    rec["median_rollout_s"] = statistics.median(timed)
-    rec["gen_tokens_per_s"] = sum(rec["gen_tokens"][1:]) / sum(timed)
-    return rec
+            rec["publish_once_s"] = time.perf_counter() - t
+        engine.close()
+        timed = rec["rollout_s"][1:]
+        rec["warmup_rollout_s"] = rec["rollout_s"][0]
+        rec["median_rollout_s"] = statistics.median(timed)
+        rec["gen_tokens_per_s"] = sum(rec["gen_tokens"][1:]) / sum(timed)
+    return recs
 
 
 def markdown(results: dict) -> str:
     r = results["engines"]
     lines = [
-        f"model {results['model']} ({results['params_m']:.0f}M parameters, {results['dtype']}) on {results['device']}, setting "
-        f"{results['setting']} (B={results['B']} x G={results['G']}, up to {results['max_new_tokens']} new tokens), {results['repeats']} timed rollouts per engine",
+        f"model {results['model']} ({results['params_m']:.1f}M parameters, {results['dtype']}) on {results['device']}, setting "
+        f"{results['setting']} (B={results['B']} x G={results['G']}, up to {results['max_new_tokens']} new tokens), {results['repeats']} timed rollouts per engine, "
+        f"{results['threads']} torch threads; load average {results['load_avg_start'][0]:.1f} at the start, {results['load_avg_end'][0]:.1f} at the end",
         "",
         "| engine | start s | warm-up rollout s | median rollout s | gen tokens/s | mean abs logprob mismatch | publish s | update s |",
         "|---|---|---|---|---|---|---|---|",
@@ -198,8 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     if policy.device.type == "cuda":
         results["gpu"] = torch.cuda.get_device_name(policy.device)
-    for name in [e.strip() for e in args.engines.split(",") if e.strip()]:
-        results["engines"][name] = run_engine(name, policy, cfg, spec, args)
+    results["load_avg_start"] = list(os.getloadavg())
+    results["engines"] = run([e.strip() for e in args.engines.split(",") if e.strip()], policy, cfg, spec, args)
+    results["load_avg_end"] = list(os.getloadavg())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "engine_speed.json").write_text(json.dumps(results, indent=1) + "\n")

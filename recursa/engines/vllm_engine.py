@@ -152,6 +152,10 @@ class VLLMEngine:
         threads = torch.get_num_threads()
         try:
             self.llm = LLM(**kwargs)
+        except ValueError as exc:  # vLLM's configuration errors, e.g. not enough free memory for the share asked for
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise UserError(f"vLLM did not start: {first[:400]} (see rollout.vllm.* in `recursa train --help-config`, "
+                            f"e.g. --set rollout.vllm.gpu_memory_utilization=0.1)") from None
         finally:
             torch.set_num_threads = set_threads
             torch.set_num_threads(threads)

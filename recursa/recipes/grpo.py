@@ -94,9 +94,9 @@ def update(
 
     The engine's log-probs (`batch.sample_logprobs`) are compared with the trainer's own at
     the rollout's weights (`logprob_mismatch`: over every row when the old log-probs are
-    recomputed up front or no row is run, else over the rows the update runs), and with `rollout.tis_cap` they weight each
-    token's surrogate by min(exp(logp_trainer - logp_engine), cap) (truncated importance
-    sampling, `losses.truncated_is_weights`)."""
+    recomputed up front or no row is run, else over the rows the update runs), and with
+    `rollout.tis_cap` they weight each token's surrogate by min(exp(logp_trainer -
+    logp_engine), cap) (truncated importance sampling, `losses.truncated_is_weights`)."""
     tc, ac = cfg.train, cfg.algo
     tis_cap = cfg.rollout.tis_cap
     model = policy.causal_lm
@@ -122,10 +122,11 @@ def update(
     trainer_logp_all = logp_old_all if tc.old_logprobs == "recompute" else None
     if trainer_logp_all is None and _runs_no_row(batch, cfg, imitation):
         trainer_logp_all = _score(logprobs, model, batch, temperature, tc.micro_batch_size, tc.logit_chunk)
-    mismatch_sum, mismatch_tokens, tis_sum, tis_clipped, tis_tokens = 0.0, 0.0, 0.0, 0.0, 0.0
+    # (|logp_trainer - logp_engine| sum, its tokens, TIS weight sum, truncated, weighted tokens), read once at the end
+    engine_stats = torch.zeros(5, dtype=torch.float64, device=batch.device)
     if trainer_logp_all is not None:
-        mismatch_sum = float(((trainer_logp_all - batch.sample_logprobs).abs() * batch.action_mask).sum().item())
-        mismatch_tokens = float(batch.action_mask.sum().item())
+        engine_stats[0] = ((trainer_logp_all - batch.sample_logprobs).abs() * batch.action_mask).sum()
+        engine_stats[1] = batch.action_mask.sum()
 
     model.train()
     out = UpdateStats()
@@ -166,14 +167,14 @@ def update(
                 if trainer_old is not None:
                     logp_engine = mb.sample_logprobs[:, :L]
                     if epoch == 0 and trainer_logp_all is None:
-                        mismatch_sum += float(((trainer_old - logp_engine).abs() * mb.action_mask).sum().item())
-                        mismatch_tokens += float(mb.action_mask.sum().item())
+                        engine_stats[0] += ((trainer_old - logp_engine).abs() * mb.action_mask).sum()
+                        engine_stats[1] += mb.action_mask.sum()
                     if tis_cap is not None:
                         token_weights = truncated_is_weights(trainer_old, logp_engine, mb.action_mask, tis_cap)
                         on = mb.action_mask.bool()
-                        tis_sum += float(token_weights[on].sum().item())
-                        tis_clipped += float((token_weights[on] >= tis_cap).sum().item())
-                        tis_tokens += float(on.sum().item())
+                        engine_stats[2] += token_weights[on].sum()
+                        engine_stats[3] += (token_weights[on] >= tis_cap).sum()
+                        engine_stats[4] += on.sum()
                 loss, st = ppo_clip_loss(
                     logp,
                     logp_old,
@@ -216,6 +217,7 @@ def update(
     for name in ("loss", "clip_frac", "kl", "approx_kl_old", "grad_norm"):
         setattr(out, name, getattr(out, name) / max(n_stats, 1))
     out.entropy = ent_sum / ent_tokens if ent_tokens else float("nan")  # over the rows run
+    mismatch_sum, mismatch_tokens, tis_sum, tis_clipped, tis_tokens = engine_stats.tolist()
     out.logprob_mismatch = mismatch_sum / mismatch_tokens if mismatch_tokens else float("nan")
     if tis_tokens:
         out.tis_weight_mean, out.tis_clip_frac = tis_sum / tis_tokens, tis_clipped / tis_tokens
