@@ -19,7 +19,7 @@
 # What comes back under $OUT: gpu_check.log (everything), device_tests.txt, demo_*_metrics.jsonl,
 # vs_trl.md and vs_trl.json, and when vLLM imports there: engine_speed_main.{md,json} (native vs vLLM),
 # engine_speed_random-1b.{md,json} and demo_vllm_metrics.jsonl. The vLLM steps were dry-run on a CPU
-# only (`DEVICE=cpu VLLM_1B=0 PY=.venv-vllm/bin/python bash benchmarks/gpu_check.sh vllm`); never on a GPU.
+# only (`DEVICE=cpu VLLM_1B=0 VLLM_MEM=0.08 PY=.venv-vllm/bin/python bash benchmarks/gpu_check.sh vllm`); never on a GPU.
 # Budget (H200, estimated, not yet measured): device tests ~1-2 min, model conversion ~1 min, demos
 # ~1 min each, benchmark ~2-3 min; vLLM steps ~1-2 min each (engine start ~30 s each, eager mode).
 # The whole check may not fit one 10-minute call with the vLLM steps: `gpu_check.sh vllm` is the way
@@ -126,17 +126,18 @@ fi
 # (rollout, update, weight publish), with the engine/trainer log-prob mismatch; then a ~1.1B random
 # Llama built from a config (vLLM only, bfloat16); then the GRPO demo with rollout.engine = "vllm".
 step "vLLM engine"
+VLLM_MEM=${VLLM_MEM:-0.3}  # rollout.vllm.gpu_memory_utilization (a CPU dry run on a busy machine needs less, e.g. 0.08)
 if "$PY" -c "import vllm; print('vllm', vllm.__version__)"; then
   timed 300 "engine_speed $MODEL" "$PY" benchmarks/engine_speed.py --device $DEVICE --model $MODEL --setting agent --repeats 3 --train-step \
-    --out "$STAGE/engines_main" || echo "engine_speed on $MODEL failed (not fatal)"
+    --gpu-memory-utilization $VLLM_MEM --out "$STAGE/engines_main" || echo "engine_speed on $MODEL failed (not fatal)"
   cp "$STAGE/engines_main/engine_speed.json" "$OUT/engine_speed_main.json" 2>/dev/null; cp "$STAGE/engines_main/engine_speed.md" "$OUT/engine_speed_main.md" 2>/dev/null
   if [ "${VLLM_1B:-1}" = 1 ]; then  # VLLM_1B=0 skips it (a CPU dry run)
     timed 300 "engine_speed random-1b" "$PY" benchmarks/engine_speed.py --device $DEVICE --model random-1b --dtype bfloat16 --engines vllm \
-      --setting agent --repeats 3 --train-step --out "$STAGE/engines_1b" || echo "engine_speed on random-1b failed (not fatal)"
+      --setting agent --repeats 3 --train-step --gpu-memory-utilization $VLLM_MEM --out "$STAGE/engines_1b" || echo "engine_speed on random-1b failed (not fatal)"
     cp "$STAGE/engines_1b/engine_speed.json" "$OUT/engine_speed_random-1b.json" 2>/dev/null; cp "$STAGE/engines_1b/engine_speed.md" "$OUT/engine_speed_random-1b.md" 2>/dev/null
   fi
   VDEMO=(--set train.steps=4 --set model.device=$DEVICE --set eval.n=64 --set eval.batch_size=64 --set run.checkpoint_every=0
-         --set "model.name=\"$MODEL\"" --set "rollout.engine='vllm'" --set rollout.tis_cap=2.0)
+         --set "model.name=\"$MODEL\"" --set "rollout.engine='vllm'" --set rollout.tis_cap=2.0 --set rollout.vllm.gpu_memory_utilization=$VLLM_MEM)
   [ "$MODEL" = tiny-random ] && VDEMO+=(--set model.tiny.num_heads=2)
   rm -rf "$STAGE/demo_vllm"
   timed 300 "GRPO demo on vLLM" "$PY" -m recursa.cli train examples/demo.toml "${VDEMO[@]}" --out "$STAGE/demo_vllm" || echo "GRPO demo on vLLM failed (not fatal)"
