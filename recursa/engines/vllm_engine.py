@@ -43,6 +43,7 @@ How it runs:
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import shutil
 import tempfile
@@ -109,6 +110,10 @@ class VLLMEngine:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core and worker in this process
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+        # Every publish would warn "ParallelLMHead / RotaryEmbedding: Failed to load weights": the
+        # tied head has no checkpoint tensor of its own (re-processed in _finish_reload) and the
+        # rotary cache is not a weight; both keep their tensors, which is right.
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
         from vllm import LLM
         from vllm.platforms import current_platform
 
