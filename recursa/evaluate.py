@@ -126,11 +126,13 @@ def evaluate(
     agent: AgentConfig | None = None,
     seeds: list[int] | None = None,
     hints: list[str | None] | None = None,
+    engine=None,
 ) -> EvalResult:
     """Greedy evaluation of the model on the first `n` seeds of `split` (or on `seeds`,
     which must then be `n` seeds of `split`: the gate scores fresh gate items each round).
     `hints`, one per seed (or None), are shown to the policy in its prompts (RSIPO's
-    `skills.in_context`; see `recursa.rollout`)."""
+    `skills.in_context`; see `recursa.rollout`). `engine` decodes (None: the native sampler;
+    see `recursa.engines`), and must hold `policy`'s current weights."""
     if seeds is None:
         seeds = split_seeds(split, n)
     elif len(seeds) != n or any(split_of(s) != split for s in seeds):
@@ -146,13 +148,13 @@ def evaluate(
         chunk = seeds[lo : lo + batch_size]
         chunk_hints = hints[lo : lo + batch_size] if hints is not None else None
         if multi_turn:
-            result = rollout_episodes(policy, pool, chunk, 1, params, None, system_prompt, agent or AgentConfig(), hints=chunk_hints)
+            result = rollout_episodes(policy, pool, chunk, 1, params, None, system_prompt, agent or AgentConfig(), hints=chunk_hints, engine=engine)
             items.extend(
                 EvalItem(e.seed, e.total_reward, e.won, " | ".join(t.action for t in e.turns), len(e.turns), e.invalid_rate)
                 for e in result.episodes
             )
         else:
-            result = rollout(policy, pool, chunk, 1, params, None, system_prompt, hints=chunk_hints)
+            result = rollout(policy, pool, chunk, 1, params, None, system_prompt, hints=chunk_hints, engine=engine)
             items.extend(EvalItem(t.seed, t.reward, t.success, t.completion_text) for t in result.trajectories)
         if progress is not None:
             progress(len(items), n)

@@ -12,6 +12,10 @@ generator) that returns trajectories; the trainer never reaches into it.
 Either way the trajectory keeps the prompt ids and the sampled ids exactly as they were,
 never re-tokenized text.
 
+Both sample through a rollout engine (`recursa.engines`): `engine=None` is the native sampler
+on the policy's own module, exactly as before engines existed; a recipe passes the engine it
+built from `cfg.rollout` (e.g. vLLM), which must hold the policy's current weights.
+
 Both take optional per-seed `hints` (RSIPO's `skills.in_context`: a retrieved skill shown
 to the policy itself): a game's hint goes right after the task line (`render_turn`), a
 single-turn task's after the question (`with_hint`), the same places as the self-teacher's
@@ -27,8 +31,9 @@ from typing import Callable
 import torch
 
 from recursa.agent import AgentConfig, parse_action, render_turn
+from recursa.engines import NativeEngine, RolloutEngine
 from recursa.envs.base import Env, EnvPool, as_pool, system_prompt_of
-from recursa.generation import GenerationStats, SamplingParams, generate
+from recursa.generation import GenerationStats, SamplingParams
 from recursa.models import Policy
 from recursa.trajectory import Episode, Trajectory, Turn
 
@@ -78,12 +83,15 @@ def rollout(
     system_prompt: str | None,
     batch_size: int | None = None,
     hints: list[str | None] | None = None,
+    engine: RolloutEngine | None = None,
 ) -> RolloutResult:
     """Run `group_size` single-turn episodes for each seed; prompts are generated in
     batches of `batch_size` distinct seeds (all at once by default). An env's own
     `system_prompt` takes precedence over the `system_prompt` argument. `hints[i]`, when
-    given, is shown after seed i's question (`with_hint`); `prompt_text` stays the question."""
+    given, is shown after seed i's question (`with_hint`); `prompt_text` stays the question.
+    `engine` samples (None: the native sampler on `policy`)."""
     tok = policy.tokenizer
+    engine = engine or NativeEngine(policy)
     seed_hints = _hints_of(hints, len(seeds))
     episode_envs = as_pool(envs).take(len(seeds) * group_size)  # env i*G+k plays sample k of seed i
     episode_obs = [env.reset(seeds[j // group_size]) for j, env in enumerate(episode_envs)]
@@ -96,7 +104,7 @@ def rollout(
     step = batch_size or len(prompts)
     samples = []
     for start in range(0, len(prompts), step):
-        chunk = generate(policy.causal_lm, tok, prompts[start : start + step], sampling, n=group_size, generator=generator, stats=stats)
+        chunk = engine.generate(prompts[start : start + step], sampling, n=group_size, generator=generator, stats=stats)
         for s in chunk:
             s.prompt_index += start
         samples.extend(chunk)  # sample k of prompt i lands at i*G + k
@@ -148,6 +156,7 @@ def rollout_episodes(
     system_prompt: str | None,
     agent: AgentConfig,
     hints: list[str | None] | None = None,
+    engine: RolloutEngine | None = None,
 ) -> EpisodeRollout:
     """Play `group_size` episodes of each seed's game, all live episodes stepping together.
 
@@ -156,8 +165,10 @@ def rollout_episodes(
     a single batched call, and episodes that end drop out. Each `Turn` keeps the exact
     prompt ids and sampled ids, so the trainer scores what the policy saw and produced.
     `hints[i]`, when given, is shown after the task line of every turn of seed i's episodes.
+    `engine` samples (None: the native sampler on `policy`).
     """
     tok = policy.tokenizer
+    engine = engine or NativeEngine(policy)
     n = len(seeds) * group_size
     episode_hints = [h for h in _hints_of(hints, len(seeds)) for _ in range(group_size)]
     envs = as_pool(envs).take(n)
@@ -178,7 +189,7 @@ def rollout_episodes(
             )
             for i in live
         ]
-        samples = generate(policy.causal_lm, tok, prompts, sampling, n=1, generator=generator, stats=stats)
+        samples = engine.generate(prompts, sampling, n=1, generator=generator, stats=stats)
         calls += 1
         anchors = {i: (envs[i].state_key() if hasattr(envs[i], "state_key") else obs[i]) for i in live}
         still = []

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-import recursa.rollout as rollout_mod
+import recursa.engines as engines_mod
 from recursa.agent import AgentConfig, parse_action, render_turn
 from recursa.algorithms.gigpo import discounted_returns, step_advantages
 from recursa.config import load_config
@@ -75,14 +75,14 @@ def test_oracle_wins_and_random_is_worse():
 
 def test_episode_rollout_is_token_in_token_out(tiny_policy, monkeypatch):
     recorded = []
-    real = rollout_mod.generate
+    real = engines_mod.generate  # what the native engine samples with
 
     def spy(*args, **kwargs):
         out = real(*args, **kwargs)
         recorded.append(([list(p) for p in args[2]], [list(s.token_ids) for s in out]))
         return out
 
-    monkeypatch.setattr(rollout_mod, "generate", spy)
+    monkeypatch.setattr(engines_mod, "generate", spy)
     tok = tiny_policy.tokenizer
     ro = rollout_episodes(
         tiny_policy, lambda: make_env("toy-corridor", max_steps=3), [1, 2], 2,

@@ -41,7 +41,18 @@ we do not default it to the padded width T, which changes with batching.
 A sequence with no masked tokens contributes 0 in every mode; a call with no
 masked tokens at all returns a zero loss that is still attached to the graph.
 
-``logp_old``, ``advantages`` and ``logp_ref`` are treated as constants (detached).
+Truncated importance sampling (TIS; Yao et al. 2025, "Your efficient RL framework secretly
+brings you off-policy RL training", as in verl and TRL). When a separate engine samples the
+rollout, its log-probs logp_engine differ from the trainer's logp_old at the same weights
+(other kernels, other precision), so the samples come from a slightly different policy. Each
+token's clipped surrogate is then weighted by
+
+    w = min( exp(logp_old - logp_engine), C )
+
+(``truncated_is_weights``; ``ppo_clip_loss(token_weights=w)``), the KL term is not. C = None
+is off (w = 1, exactly the loss without the option).
+
+``logp_old``, ``advantages``, ``logp_ref`` and ``token_weights`` are treated as constants (detached).
 """
 
 from __future__ import annotations
@@ -57,6 +68,7 @@ __all__ = [
     "masked_mean",
     "kl_estimate",
     "ppo_clip_loss",
+    "truncated_is_weights",
     "entropy_from_logits",
     "part_scales",
 ]
@@ -160,6 +172,22 @@ def kl_estimate(logp: torch.Tensor, logp_ref: torch.Tensor, estimator: str) -> t
     raise ValueError(f"unknown KL estimator {estimator!r}; valid choices are {list(KL_ESTIMATORS)}")
 
 
+def truncated_is_weights(logp_old: torch.Tensor, logp_engine: torch.Tensor, mask: torch.Tensor, cap: float) -> torch.Tensor:
+    """Per-token truncated importance weights min(exp(logp_old - logp_engine), cap) at the masked
+    tokens, 1 elsewhere.  (B, T), (B, T), (B, T) -> (B, T), detached.
+
+    logp_old    # (B, T) the trainer's log-probs of the sampled tokens at the rollout's weights
+    logp_engine # (B, T) the sampling engine's log-probs of the same tokens
+    """
+    if not cap > 0:
+        raise ValueError(f"the truncation cap must be > 0, got {cap}; typical value 2.0")
+    if logp_old.shape != logp_engine.shape:
+        raise ValueError(f"logp_old shape {tuple(logp_old.shape)} must equal logp_engine shape {tuple(logp_engine.shape)}")
+    keep = _check_mask(logp_old, mask)
+    w = torch.exp(logp_old.detach() - logp_engine.detach()).clamp(max=cap)  # (B, T)
+    return torch.where(keep, w, torch.ones_like(w))
+
+
 def ppo_clip_loss(
     logp: torch.Tensor,
     logp_old: torch.Tensor,
@@ -176,6 +204,7 @@ def ppo_clip_loss(
     logp_ref: Optional[torch.Tensor] = None,
     kl_coef: float = 0.0,
     kl_estimator: str = "k3",
+    token_weights: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO clipped surrogate loss with optional dual clip and KL penalty (see module doc).
 
@@ -184,6 +213,8 @@ def ppo_clip_loss(
     advantages  # (B,) per sequence, broadcast over tokens, or (B, T) per token (detached)
     mask        # (B, T) 1 at trained tokens
     logp_ref    # (B, T) log-probs under the reference policy, optional (detached)
+    token_weights  # (B, T) multiplies each token's clipped surrogate, not the KL term (e.g.
+                   # `truncated_is_weights`), optional (detached)
 
     Returns (loss, stats); stats are python floats over the masked tokens of this call
     (0.0 when there are none): clip_frac, dual_clip_frac, ratio_mean, ratio_max,
@@ -239,6 +270,10 @@ def ppo_clip_loss(
         dual_clipped = neg_adv & (ratio > dual_clip)  # (B, T)
     else:
         dual_clipped = torch.zeros_like(keep)
+    if token_weights is not None:
+        if token_weights.shape != logp.shape:
+            raise ValueError(f"token_weights shape {tuple(token_weights.shape)} must equal logp shape {tuple(logp.shape)}")
+        per_token = per_token * token_weights.detach().to(per_token.dtype)
 
     if logp_ref is not None:
         kl = kl_estimate(logp, logp_ref.detach(), kl_estimator)  # (B, T)

@@ -158,19 +158,20 @@ def open_run(cfg, out: Path, resume: bool, log: Callable[[str], None], kl_refere
 Hints = Callable[[list[int]], list[str | None]]  # seeds -> the hint shown with each (RSIPO's skills.in_context)
 
 
-def eval_before(run: OpenedRun, cfg, progress: Progress | None, log: Callable[[str], None], hints: Hints | None = None) -> None:
+def eval_before(run: OpenedRun, cfg, progress: Progress | None, log: Callable[[str], None], hints: Hints | None = None, engine=None) -> None:
     """The held-out evaluation before training (eval/before.json), once per run."""
     if run.start_step == 0 and cfg.eval.before and cfg.eval.n > 0 and not (run.store.path / "eval" / "before.json").exists():
-        r = run_eval(run.policy, cfg, run.pool, run.store, 0, "before", progress, hints=hints)
+        r = run_eval(run.policy, cfg, run.pool, run.store, 0, "before", progress, hints=hints, engine=engine)
         log(f"before: success {r.success_rate:.3f} [{r.ci95[0]:.3f}, {r.ci95[1]:.3f}] on {r.n} {cfg.eval.split} items")
 
 
 def run_eval(policy: Policy, cfg, pool: EnvPool, store: RunStore, step: int, label: str, progress: Progress | None, gate=None,
-             hints: Hints | None = None, prefix: str = "eval") -> EvalResult:
+             hints: Hints | None = None, prefix: str = "eval", engine=None) -> EvalResult:
     """Greedy held-out evaluation; writes eval/<label>.json, the ledger row and <prefix>/* metrics
     (a second evaluation of the same step, e.g. RSIPO's with and without skills, logs under its
     own prefix). With a `WeightsGate`, an evaluation after training started is recorded as a
-    test look. With `hints`, each item is shown the hint it gives for the item's seed."""
+    test look. With `hints`, each item is shown the hint it gives for the item's seed. `engine`
+    decodes (None: native), holding `policy`'s current weights."""
     ec = cfg.eval
     seeds = split_seeds(ec.split, ec.n)
     result = evaluate(
@@ -188,6 +189,7 @@ def run_eval(policy: Policy, cfg, pool: EnvPool, store: RunStore, step: int, lab
         agent=cfg.agent,
         seeds=seeds,
         hints=hints(seeds) if hints is not None else None,
+        engine=engine,
     )
     path = store.path / "eval" / f"{label}.json"
     result.save(path)

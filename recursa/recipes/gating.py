@@ -6,7 +6,8 @@ current weights are a *candidate* against the *incumbent*, the last accepted wei
     seeds      <- n fresh gate-split items (round t takes block t of the gate split, so no
                   item is ever scored twice across rounds)
     scores     <- greedy evaluation of the candidate, then of the incumbent (its weights
-                  are loaded into the same model), on those items
+                  are loaded into the same model, and published to the run's rollout
+                  engine when it keeps its own copy, e.g. vLLM), on those items
     decision   <- recursa.gate.binary_gate: exact one-sided McNemar p <= alpha_t (basel
                   spending across rounds by default), net gain >= delta, regression budget
     accepted   -> the candidate becomes the incumbent: its weights and optimizer state
@@ -55,11 +56,13 @@ class WeightsGate:
     """The weights gate of one run; `check` runs one round."""
 
     def __init__(self, cfg, store: RunStore, pool: EnvPool, start_step: int, log: Callable[[str], None] = print,
-                 hints: Callable[[list[int]], list[str | None]] | None = None):
+                 hints: Callable[[list[int]], list[str | None]] | None = None, engine=None):
         """`hints`: seeds -> the hint each gate item is shown with (RSIPO's skills.in_context:
-        both weights are evaluated with the run's current skill library in context)."""
+        both weights are evaluated with the run's current skill library in context).
+        `engine`: the run's rollout engine (None: native); it decodes the gate items and gets
+        the weights published whenever a round swaps them."""
         gc = cfg.gate
-        self.cfg, self.store, self.pool, self.log, self.hints = cfg, store, pool, log, hints
+        self.cfg, self.store, self.pool, self.log, self.hints, self.engine = cfg, store, pool, log, hints, engine
         self.gate_cfg = gate_config(gc)
         self.lineage = Lineage(store.db)
         self.lineage.truncate_after(start_step)  # a resumed run forgets rounds after its checkpoint
@@ -91,12 +94,14 @@ class WeightsGate:
         cand = self._score(policy, seeds, f"gate candidate @ {step}", progress)
         trainable = {k: v.detach().clone() for k, v in policy.model.state_dict().items()}
         restore_weights(policy, inc_dir)
+        self._publish(policy)
         inc = self._score(policy, seeds, f"gate incumbent @ {step}", progress)
         inc_ok = {i.seed: i.success for i in inc.items}
         decision = binary_gate([inc_ok[i.seed] for i in cand.items], [i.success for i in cand.items], self.gate_cfg, t=t)
         keep_candidate = decision.accepted or gc.mode == "log"
         if keep_candidate:
             policy.model.load_state_dict(trainable)
+            self._publish(policy)
         else:
             load_optimizer(optimizer, inc_dir / "optimizer.pt")
         payload = {"seeds": [seeds[0], seeds[-1]]}
@@ -114,13 +119,17 @@ class WeightsGate:
             "gate/candidate_rate": cand.success_rate, "gate/regressions": decision.c, "time/gate_s": cand.seconds + inc.seconds,
         }
 
+    def _publish(self, policy: Policy) -> None:
+        if self.engine is not None:
+            self.engine.load_weights(policy)
+
     def _score(self, policy: Policy, seeds: list[int], label: str, progress) -> EvalResult:
         cfg = self.cfg
         return evaluate(
             policy, self.pool, cfg.env.name, "gate", len(seeds), cfg.eval.max_new_tokens or cfg.sampling.max_new_tokens,
             cfg.model.system_prompt or None, batch_size=cfg.eval.batch_size, stop=tuple(cfg.sampling.stop), label=label,
             progress=(lambda d, n: progress(label, d, n)) if progress else None, agent=cfg.agent, seeds=seeds,
-            hints=self.hints(seeds) if self.hints is not None else None,
+            hints=self.hints(seeds) if self.hints is not None else None, engine=self.engine,
         )
 
     # ---- test-split looks -----------------------------------------------------------
@@ -189,9 +198,10 @@ class PromptGate:
     the weights gate all use it from then on; a resumed run restores it from the lineage.
     """
 
-    def __init__(self, cfg, store: RunStore, pool: EnvPool, lineage: Lineage, multi_turn: bool, log: Callable[[str], None] = print):
+    def __init__(self, cfg, store: RunStore, pool: EnvPool, lineage: Lineage, multi_turn: bool, log: Callable[[str], None] = print, engine=None):
         gc = cfg.gate
         self.cfg, self.store, self.pool, self.lineage, self.multi_turn, self.log = cfg, store, pool, lineage, multi_turn, log
+        self.engine = engine  # the run's rollout engine (None: native): samples proposals, decodes the gate items
         self.gate_cfg = gate_config(gc)
         if not lineage.candidates("prompt"):
             lineage.root("prompt", _squash(self.text, 80), {"text": self.text}, step=0)
@@ -215,19 +225,21 @@ class PromptGate:
         return evaluate(
             policy, self.pool, cfg.env.name, split, len(seeds), cfg.eval.max_new_tokens or cfg.sampling.max_new_tokens,
             system_prompt or None, batch_size=cfg.eval.batch_size, stop=tuple(cfg.sampling.stop), label=label, agent=agent, seeds=seeds,
+            engine=self.engine,
         )
 
     def propose(self, policy: Policy, failures: list[tuple[str, str]], generator: torch.Generator) -> tuple[list[str], int]:
         """Sampled proposals (valid, distinct, different from the current prompt) and the
         number of replies dropped as malformed."""
-        from recursa.generation import SamplingParams, generate
+        from recursa.engines import NativeEngine
+        from recursa.generation import SamplingParams
         from recursa.rollout import render_prompt
 
         gc = self.cfg.gate
         request = prompt_proposal_request(self.text, failures, gc.prompt_max_chars)
         ids = render_prompt(policy.tokenizer, request, None)
         params = SamplingParams(max(16, gc.prompt_max_chars // 3), 1.0)
-        samples = generate(policy.causal_lm, policy.tokenizer, [ids], params, n=gc.prompt_candidates, generator=generator)
+        samples = (self.engine or NativeEngine(policy)).generate([ids], params, n=gc.prompt_candidates, generator=generator)
         out, dropped = [], 0
         for s in samples:
             text = parse_prompt_proposal(policy.tokenizer.decode(s.token_ids, skip_special_tokens=True), gc.prompt_max_chars)
@@ -347,9 +359,10 @@ class SkillGate:
     """
 
     def __init__(self, cfg, pool: EnvPool, lineage: Lineage, library, hints: Callable, incumbent: list[dict] | None = None,
-                 log: Callable[[str], None] = print):
+                 log: Callable[[str], None] = print, engine=None):
         gc = cfg.gate
         self.cfg, self.pool, self.lineage, self.library, self.hints, self.log = cfg, pool, lineage, library, hints, log
+        self.engine = engine  # the run's rollout engine (None: native), decodes the probes
         self.gate_cfg = gate_config(gc)
         self.incumbent: list[dict] = library.snapshot() if incumbent is None else incumbent
         if not lineage.candidates("skills"):
@@ -389,7 +402,7 @@ class SkillGate:
         return evaluate(
             policy, self.pool, cfg.env.name, "gate", len(seeds), cfg.eval.max_new_tokens or cfg.sampling.max_new_tokens,
             cfg.model.system_prompt or None, batch_size=cfg.eval.batch_size, stop=tuple(cfg.sampling.stop), label=label,
-            agent=cfg.agent, seeds=seeds, hints=self.hints(library, seeds),
+            agent=cfg.agent, seeds=seeds, hints=self.hints(library, seeds), engine=self.engine,
         )
 
     def _screen_block(self) -> list[int]:

@@ -8,6 +8,8 @@
                       (+ GiGPO's step term per turn, for games)
         update     <- epochs x mini-batches of PPO-clip, micro-batched with gradient accumulation,
                       each distinct prompt computed once per micro-batch
+        publish    <- the new weights to the rollout engine (`rollout.engine`; nothing to do for
+                      the native sampler, which runs on the trainer's own module)
         evaluate   <- every `eval.every` steps, and before / after training
         checkpoint <- every `run.checkpoint_every` steps and at the end
 
@@ -33,9 +35,10 @@ import torch
 from recursa.algorithms.advantages import compute_advantages
 from recursa.algorithms.distill import imitation_loss
 from recursa.algorithms.gigpo import step_advantages
-from recursa.algorithms.losses import ppo_clip_loss
+from recursa.algorithms.losses import ppo_clip_loss, truncated_is_weights
 from recursa.config import GRPOConfig
 from recursa.distributed.ddp import SINGLE, DataParallel, SingleProcess
+from recursa.engines import make_engine
 from recursa.envs import split_seed
 from recursa.generation import SamplingParams, prefix_lengths, sequence_logprobs, shared_prefix_logprobs
 from recursa.models import Policy
@@ -62,6 +65,9 @@ class UpdateStats:
     grad_norm: float = 0.0
     opt_steps: int = 0
     rows_run: int = 0  # rows forwarded (summed over epochs); fewer than rows x epochs when zero-advantage rows are skipped
+    logprob_mismatch: float = float("nan")  # mean |logp_engine - logp_trainer| at the rollout's weights over action tokens (see `update`)
+    tis_weight_mean: float = float("nan")  # mean truncated importance weight (rollout.tis_cap), over the tokens it weighted
+    tis_clip_frac: float = 0.0  # share of those tokens whose weight was truncated at the cap
 
 
 @dataclass
@@ -88,8 +94,15 @@ def update(
     `batch.advantages` is (N,) per row or (N, L) per token; `imitation` adds its term to
     the loss (RSIPO). Without either generalisation this is the GRPO update. With a
     `DataParallel` learner every rank runs its slice of each mini-batch's rows and rank 0
-    steps (`recursa.distributed.ddp`); the stats are the whole batch's, on rank 0."""
+    steps (`recursa.distributed.ddp`); the stats are the whole batch's, on rank 0.
+
+    The engine's log-probs (`batch.sample_logprobs`) are compared with the trainer's own at
+    the rollout's weights (`logprob_mismatch`: over every row when the old log-probs are
+    recomputed up front or no row is run, else over the rows the update runs), and with
+    `rollout.tis_cap` they weight each token's surrogate by min(exp(logp_trainer -
+    logp_engine), cap) (truncated importance sampling, `losses.truncated_is_weights`)."""
     tc, ac = cfg.train, cfg.algo
+    tis_cap = cfg.rollout.tis_cap
     learner.announce("update", batch=batch, generator=generator.get_state(), opt_step=opt_step, imitation=imitation)
     learner.share_weights(policy)  # workers start from rank 0's weights (a rollback or resume included)
     model = policy.causal_lm
@@ -108,12 +121,25 @@ def update(
         with policy.reference_context() as ref:
             logp_ref_all = _score(logprobs, ref, batch, temperature, tc.micro_batch_size, tc.logit_chunk, learner)
 
+    # rollout/logprob_mismatch, the trainer's own log-probs at the rollout's weights against the
+    # engine's: recomputed old log-probs give them for every row up front; otherwise each run
+    # row's first forward does (before any optimizer step), or one scoring pass when the update
+    # runs no row at all (every advantage zero)
+    trainer_logp_all = logp_old_all if tc.old_logprobs == "recompute" else None
+    if trainer_logp_all is None and _runs_no_row(batch, cfg, imitation):
+        trainer_logp_all = _score(logprobs, model, batch, temperature, tc.micro_batch_size, tc.logit_chunk)
+    # (|logp_trainer - logp_engine| sum, its tokens, TIS weight sum, truncated, weighted tokens), read once at the end
+    engine_stats = torch.zeros(5, dtype=torch.float64, device=batch.device)
+    if trainer_logp_all is not None:
+        engine_stats[0] = ((trainer_logp_all - batch.sample_logprobs).abs() * batch.action_mask).sum()
+        engine_stats[1] = batch.action_mask.sum()
+
     model.train()
     out = UpdateStats()
     n_stats = 0
     ent_sum, ent_tokens = 0.0, 0.0
     groups = prompt_groups(batch)
-    for _ in range(tc.epochs):
+    for epoch in range(tc.epochs):
         # shuffle whole prompt groups, so the rows of a group share micro-batches (and prefills)
         order = torch.cat([groups[int(g)] for g in torch.randperm(len(groups), generator=generator, device="cpu")])  # (N,) on the batch's device
         for m in range(tc.mini_batches):
@@ -143,6 +169,21 @@ def update(
                 logp, ent = logprobs(model, mb.input_ids, mb.attention_mask, mb.action_mask, temperature, tc.logit_chunk, with_entropy=True)
                 L = logp.shape[1]
                 logp_old = logp.detach() if logp_old_all is None else logp_old_all[idx, :L]
+                # the trainer's log-probs at the rollout's weights: the old policy when recomputed,
+                # else this forward's as long as no optimizer step has been taken yet
+                trainer_old = logp_old if tc.old_logprobs == "recompute" else (logp.detach() if out.opt_steps == 0 else None)
+                token_weights = None
+                if trainer_old is not None:
+                    logp_engine = mb.sample_logprobs[:, :L]
+                    if epoch == 0 and trainer_logp_all is None:
+                        engine_stats[0] += ((trainer_old - logp_engine).abs() * mb.action_mask).sum()
+                        engine_stats[1] += mb.action_mask.sum()
+                    if tis_cap is not None:
+                        token_weights = truncated_is_weights(trainer_old, logp_engine, mb.action_mask, tis_cap)
+                        on = mb.action_mask.bool()
+                        engine_stats[2] += token_weights[on].sum()
+                        engine_stats[3] += (token_weights[on] >= tis_cap).sum()
+                        engine_stats[4] += on.sum()
                 loss, st = ppo_clip_loss(
                     logp,
                     logp_old,
@@ -158,6 +199,7 @@ def update(
                     logp_ref=None if logp_ref_all is None else logp_ref_all[idx, :L],
                     kl_coef=ac.kl_coef,
                     kl_estimator=ac.kl_estimator,
+                    token_weights=token_weights,
                 )
                 if imitation is not None and imitation.coef > 0:
                     weights = imitation.weights[idx, :L]
@@ -186,7 +228,22 @@ def update(
     for name in ("loss", "clip_frac", "kl", "approx_kl_old", "grad_norm"):
         setattr(out, name, getattr(out, name) / max(n_stats, 1))
     out.entropy = ent_sum / ent_tokens if ent_tokens else float("nan")  # over the rows run
+    mismatch_sum, mismatch_tokens, tis_sum, tis_clipped, tis_tokens = engine_stats.tolist()
+    out.logprob_mismatch = mismatch_sum / mismatch_tokens if mismatch_tokens else float("nan")
+    if tis_tokens:
+        out.tis_weight_mean, out.tis_clip_frac = tis_sum / tis_tokens, tis_clipped / tis_tokens
     return out
+
+
+def _runs_no_row(batch: TrainBatch, cfg: GRPOConfig, imitation: Imitation | None) -> bool:
+    """Whether `update` skips every row (zero advantages, no KL term, no imitation weight)."""
+    if not (cfg.train.skip_zero_advantage and cfg.algo.kl_coef == 0):
+        return False
+    live = batch.advantages != 0
+    live = live.any(dim=1) if live.dim() == 2 else live
+    if imitation is not None and imitation.coef > 0:
+        live = live | (imitation.weights != 0).any(dim=1)
+    return not bool(live.any())
 
 
 def update_metrics(st: UpdateStats, rows: list[Trajectory], n_batch: int, cfg, opt_step: int) -> dict:
@@ -206,6 +263,8 @@ def update_metrics(st: UpdateStats, rows: list[Trajectory], n_batch: int, cfg, o
         "completion/len_mean": lengths.mean().item(),
         "completion/len_max": lengths.max().item(),
         "completion/truncated_frac": sum(t.finish_reason == "length" for t in rows) / len(rows),
+        "rollout/logprob_mismatch": st.logprob_mismatch,
+        **({"rollout/tis_weight_mean": st.tis_weight_mean, "rollout/tis_clip_frac": st.tis_clip_frac} if cfg.rollout.tis_cap is not None else {}),
     }
 
 
@@ -273,12 +332,13 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
     pool, store, policy, optimizer, multi_turn = run.pool, run.store, run.policy, run.optimizer, run.multi_turn
     model = policy.causal_lm
     start_step, opt_step = run.start_step, run.opt_steps
-    gate = WeightsGate(cfg, store, pool, start_step, log) if cfg.gate.mode != "off" else None
+    engine = make_engine(cfg.rollout, policy)  # samples rollouts and decodes evaluations
+    gate = WeightsGate(cfg, store, pool, start_step, log, engine=engine) if cfg.gate.mode != "off" else None
     if gate is not None:
         gate.start(policy, optimizer, f"{cfg.model.name}{run.origin}")
-    prompts = PromptGate(cfg, store, pool, gate.lineage, multi_turn, log) if gate is not None and cfg.gate.prompt_every else None
+    prompts = PromptGate(cfg, store, pool, gate.lineage, multi_turn, log, engine=engine) if gate is not None and cfg.gate.prompt_every else None
     failures: deque[tuple[str, str]] = deque(maxlen=4)  # recent failures, what prompt proposals read
-    eval_before(run, cfg, progress, log)
+    eval_before(run, cfg, progress, log, engine=engine)
 
     sampling = SamplingParams(cfg.sampling.max_new_tokens, cfg.sampling.temperature, cfg.sampling.top_p, tuple(cfg.sampling.stop))
     B, G = cfg.train.prompts_per_step, cfg.train.group_size
@@ -292,7 +352,7 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
             # Multi-turn: the group is the G episodes of one game seed; the episode's
             # advantage is broadcast over every action token of every turn (+ GiGPO's
             # step term when asked). Each turn is one training row.
-            ero = rollout_episodes(policy, pool, seeds, G, sampling, gen, system_prompt, cfg.agent)
+            ero = rollout_episodes(policy, pool, seeds, G, sampling, gen, system_prompt, cfg.agent, engine=engine)
             episodes, gen_stats = ero.episodes, ero.stats
             t1 = time.perf_counter()
             rewards = torch.tensor([e.total_reward for e in episodes], dtype=torch.float32, device="cpu").view(B, G)  # (B, G)
@@ -300,7 +360,7 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
             trajs, row_advantages, episode_metrics = episode_rows(episodes, advantages, cfg)
             failures.extend((f"{e.task} {e.turns[-1].observation}", " | ".join(t.action for t in e.turns[-3:])) for e in episodes if not e.won and e.turns)
         else:
-            ro = rollout(policy, pool, seeds, G, sampling, gen, system_prompt)
+            ro = rollout(policy, pool, seeds, G, sampling, gen, system_prompt, engine=engine)
             trajs, gen_stats = ro.trajectories, ro.stats
             t1 = time.perf_counter()
             rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32, device="cpu").view(B, G)  # (B, G)
@@ -310,6 +370,8 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
         batch = collate(trajs, row_advantages, policy.tokenizer.pad_token_id, policy.device)
         st = update(policy, optimizer, batch, cfg, gen, opt_step, learner=run.learner)
         opt_step += st.opt_steps
+        tp = time.perf_counter()
+        engine.load_weights(policy)
         t2 = time.perf_counter()
 
         lengths = torch.tensor([t.num_action_tokens for t in trajs], dtype=torch.float32, device="cpu")
@@ -327,6 +389,7 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
             **update_metrics(st, trajs, len(trajs), cfg, opt_step),
             "time/rollout_s": t1 - t0,
             "time/update_s": t2 - t1,
+            "time/publish_s": t2 - tp,  # part of time/update_s: the new weights reaching the rollout engine
             "time/step_s": t2 - t0,
             "throughput/gen_tokens_per_s": gen_stats.generated_tokens / max(t1 - t0, 1e-9),
             "throughput/tokens_per_s": (prompt_tokens + lengths.sum().item()) / max(t2 - t0, 1e-9),
@@ -348,7 +411,7 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
         if gate is not None and (done % cfg.gate.every == 0 or done == cfg.train.steps):
             store.log_metrics(done, gate.check(policy, optimizer, done, progress))
         if cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.train.steps and cfg.eval.n > 0:
-            r = run_eval(policy, cfg, pool, store, done, f"step_{done:04d}", progress, gate)
+            r = run_eval(policy, cfg, pool, store, done, f"step_{done:04d}", progress, gate, engine=engine)
             log(f"eval @ {done}: success {r.success_rate:.3f} [{r.ci95[0]:.3f}, {r.ci95[1]:.3f}]")
         if (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0) or done == cfg.train.steps:
             store.save_checkpoint(done, policy, optimizer, {"opt_steps": opt_step})
@@ -356,8 +419,9 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
     if cfg.train.steps == 0 and store.latest_checkpoint() is None:
         store.save_checkpoint(0, policy, optimizer, {"opt_steps": 0})
     if cfg.eval.after and cfg.eval.n > 0 and not (out / "eval" / "after.json").exists():
-        r = run_eval(policy, cfg, pool, store, cfg.train.steps, "after", progress, gate)
+        r = run_eval(policy, cfg, pool, store, cfg.train.steps, "after", progress, gate, engine=engine)
         log(f"after: success {r.success_rate:.3f} [{r.ci95[0]:.3f}, {r.ci95[1]:.3f}] on {r.n} {cfg.eval.split} items")
+    engine.close()
     store.close()
     pool.close()
     del model

@@ -38,6 +38,7 @@ import torch
 
 from recursa.config import RFTConfig
 from recursa.distributed.ddp import SINGLE, DataParallel, SingleProcess
+from recursa.engines import make_engine
 from recursa.envs import EnvPool, split_seed
 from recursa.generation import SamplingParams
 from recursa.recipes.common import (
@@ -121,13 +122,13 @@ def attempt_stats(attempts: list[Attempt], group_size: int) -> dict[str, float]:
     }
 
 
-def sample_attempts(policy, pool: EnvPool, cfg: RFTConfig, seeds: list[int], gen: torch.Generator, multi_turn: bool) -> tuple[list[Attempt], dict]:
-    """B x G attempts with the current policy; returns them and episode metrics."""
+def sample_attempts(policy, pool: EnvPool, cfg: RFTConfig, seeds: list[int], gen: torch.Generator, multi_turn: bool, engine=None) -> tuple[list[Attempt], dict]:
+    """B x G attempts with the current policy (sampled by `engine`; None: native); returns them and episode metrics."""
     rc = cfg.rft
     sampling = SamplingParams(cfg.sampling.max_new_tokens, cfg.sampling.temperature, cfg.sampling.top_p, tuple(cfg.sampling.stop))
     system_prompt = cfg.model.system_prompt or None
     if multi_turn:
-        ero = rollout_episodes(policy, pool, seeds, rc.group_size, sampling, gen, system_prompt, cfg.agent)
+        ero = rollout_episodes(policy, pool, seeds, rc.group_size, sampling, gen, system_prompt, cfg.agent, engine=engine)
         attempts = []
         for e in ero.episodes:
             rows = [r for r in e.rows() if not (rc.drop_invalid_turns and r.info["invalid"])]
@@ -139,7 +140,7 @@ def sample_attempts(policy, pool: EnvPool, cfg: RFTConfig, seeds: list[int], gen
             "episode/invalid_rate": sum(e.invalid_rate for e in ero.episodes) / n,
         }
         return attempts, metrics
-    ro = rollout(policy, pool, seeds, rc.group_size, sampling, gen, system_prompt)
+    ro = rollout(policy, pool, seeds, rc.group_size, sampling, gen, system_prompt, engine=engine)
     return [Attempt(t.seed, t.reward, t.success, t.completion_text.strip(), [t], t.num_action_tokens) for t in ro.trajectories], {}
 
 
@@ -180,16 +181,17 @@ def train(cfg: RFTConfig, out: Path, resume: bool = False, progress: Progress | 
             unsolved.pop(d["seed"], None)
         else:
             unsolved[d["seed"]] = unsolved.get(d["seed"], 0) + 1
-    gate = WeightsGate(cfg, store, pool, start, log) if cfg.gate.mode != "off" else None
+    engine = make_engine(cfg.rollout, policy)  # samples attempts and decodes evaluations
+    gate = WeightsGate(cfg, store, pool, start, log, engine=engine) if cfg.gate.mode != "off" else None
     if gate is not None:
         gate.start(policy, optimizer, f"{cfg.model.name}{run.origin}")
-    eval_before(run, cfg, progress, log)
+    eval_before(run, cfg, progress, log, engine=engine)
 
     for rnd in range(start, rc.rounds):
         t0 = time.perf_counter()
         gen = step_generator(cfg.train.seed, rnd)
         seeds, n_revisit = round_seeds(cfg, rnd, unsolved)
-        attempts, episode_metrics = sample_attempts(policy, pool, cfg, seeds, gen, multi_turn)
+        attempts, episode_metrics = sample_attempts(policy, pool, cfg, seeds, gen, multi_turn, engine)
         t1 = time.perf_counter()
 
         kept = keep_solutions(attempts, rc.per_task_cap, rc.dedupe, rc.prefer_short)
@@ -210,6 +212,7 @@ def train(cfg: RFTConfig, out: Path, resume: bool = False, progress: Progress | 
         loss = float("nan")
         if buffer:
             opt_step, loss = finetune(policy, optimizer, buffer, cfg, gen, opt_step, run.learner)
+            engine.load_weights(policy)
         t2 = time.perf_counter()
 
         metrics = {
@@ -243,7 +246,7 @@ def train(cfg: RFTConfig, out: Path, resume: bool = False, progress: Progress | 
         if gate is not None and (done % cfg.gate.every == 0 or done == rc.rounds):
             store.log_metrics(done, gate.check(policy, optimizer, done, progress))
         if cfg.eval.every and done % cfg.eval.every == 0 and done < rc.rounds and cfg.eval.n > 0:
-            r = run_eval(policy, cfg, pool, store, done, f"step_{done:04d}", progress, gate)
+            r = run_eval(policy, cfg, pool, store, done, f"step_{done:04d}", progress, gate, engine=engine)
             log(f"eval @ round {done}: success {r.success_rate:.3f} [{r.ci95[0]:.3f}, {r.ci95[1]:.3f}]")
         if (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0) or done == rc.rounds:
             store.save_checkpoint(done, policy, optimizer, {"opt_steps": opt_step})
@@ -251,8 +254,9 @@ def train(cfg: RFTConfig, out: Path, resume: bool = False, progress: Progress | 
     if rc.rounds == 0 and store.latest_checkpoint() is None:
         store.save_checkpoint(0, policy, optimizer, {"opt_steps": 0})
     if cfg.eval.after and cfg.eval.n > 0 and not (out / "eval" / "after.json").exists():
-        r = run_eval(policy, cfg, pool, store, rc.rounds, "after", progress, gate)
+        r = run_eval(policy, cfg, pool, store, rc.rounds, "after", progress, gate, engine=engine)
         log(f"after: success {r.success_rate:.3f} [{r.ci95[0]:.3f}, {r.ci95[1]:.3f}] on {r.n} {cfg.eval.split} items")
+    engine.close()
     store.close()
     pool.close()
     return out

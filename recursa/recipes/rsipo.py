@@ -108,6 +108,7 @@ from recursa.algorithms.losses import part_scales
 from recursa.algorithms.routing import ALL_WIN, critical_weights, divergence_turn, group_routes, route_counts, route_gate
 from recursa.algorithms.trust import TrustEstimator, agreement_trials
 from recursa.config import RSIPOConfig
+from recursa.engines import make_engine
 from recursa.envs import EnvPool, system_prompt_of
 from recursa.generation import GenerationStats, SamplingParams, generate, sequence_logprobs, shared_prefix_logprobs
 from recursa.models import Policy
@@ -643,20 +644,20 @@ class Played:
 
 
 def play(policy: Policy, pool: EnvPool, seeds: list[int], shown: list[str | None] | None, sampling: SamplingParams, gen: torch.Generator,
-         system: str | None, cfg: RSIPOConfig, multi_turn: bool, step: int) -> Played:
+         system: str | None, cfg: RSIPOConfig, multi_turn: bool, step: int, engine=None) -> Played:
     """B x G attempts of the step's tasks (`shown`: the in-context skill of each task, or None)
-    and their outcome advantages, as GRPO computes them."""
+    and their outcome advantages, as GRPO computes them; `engine` samples (None: native)."""
     B, G = cfg.train.prompts_per_step, cfg.train.group_size
     metrics = {}
     if multi_turn:
-        ero = rollout_episodes(policy, pool, seeds, G, sampling, gen, system, cfg.agent, hints=shown)
+        ero = rollout_episodes(policy, pool, seeds, G, sampling, gen, system, cfg.agent, hints=shown, engine=engine)
         gen_stats = ero.stats
         rewards = torch.tensor([e.total_reward for e in ero.episodes], dtype=torch.float32, device="cpu").view(B, G)  # (B, G)
         advantages = compute_advantages(cfg.algo.advantage, rewards)  # (B, G)
         rows, row_adv, metrics = episode_rows(ero.episodes, advantages, cfg)  # one row per turn
         attempts = episode_attempts(ero.episodes, step, cfg.agent, shown)
     else:
-        ro = rollout(policy, pool, seeds, G, sampling, gen, system, hints=shown)
+        ro = rollout(policy, pool, seeds, G, sampling, gen, system, hints=shown, engine=engine)
         gen_stats = ro.stats
         rows = ro.trajectories
         rewards = torch.tensor([t.reward for t in rows], dtype=torch.float32, device="cpu").view(B, G)  # (B, G)
@@ -1065,7 +1066,7 @@ def step_metrics(played: Played, skills: SkillStep, hinted: HintedStep, wins: Wi
     return metrics
 
 
-def final_evals(policy: Policy, cfg: RSIPOConfig, run, library: SkillLibrary, multi_turn: bool, gate, hints_for, progress, log) -> None:
+def final_evals(policy: Policy, cfg: RSIPOConfig, run, library: SkillLibrary, multi_turn: bool, gate, hints_for, progress, log, engine=None) -> None:
     """eval/after.json (with the in-context skills when skills.in_context); with skills.eval_both
     also the other library setting on the same weights: eval/after_skills.json (library in the
     prompts) or eval/after_no_skills.json (none), logged as eval_skills/* metrics."""
@@ -1073,13 +1074,13 @@ def final_evals(policy: Policy, cfg: RSIPOConfig, run, library: SkillLibrary, mu
     if not (cfg.eval.after and cfg.eval.n > 0):
         return
     if not (out / "eval" / "after.json").exists():
-        r = run_eval(policy, cfg, pool, store, cfg.train.steps, "after", progress, gate, hints=hints_for)
+        r = run_eval(policy, cfg, pool, store, cfg.train.steps, "after", progress, gate, hints=hints_for, engine=engine)
         log(f"after: success {r.success_rate:.3f} [{r.ci95[0]:.3f}, {r.ci95[1]:.3f}] on {r.n} {cfg.eval.split} items")
     if cfg.skills.eval_both:
         label = "after_no_skills" if cfg.skills.in_context else "after_skills"
         other = None if cfg.skills.in_context else (lambda seeds: library_hints(library, pool, seeds, cfg, multi_turn))
         if not (out / "eval" / f"{label}.json").exists():
-            r = run_eval(policy, cfg, pool, store, cfg.train.steps, label, progress, gate, hints=other, prefix="eval_skills")
+            r = run_eval(policy, cfg, pool, store, cfg.train.steps, label, progress, gate, hints=other, prefix="eval_skills", engine=engine)
             log(f"{label}: success {r.success_rate:.3f} [{r.ci95[0]:.3f}, {r.ci95[1]:.3f}] on {r.n} {cfg.eval.split} items")
 
 
@@ -1102,14 +1103,15 @@ def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress 
         library.restore([])
     # skills.in_context: the policy sees its library's skill for each task in rollouts and in every evaluation
     hints_for = (lambda seeds: library_hints(library, pool, seeds, cfg, multi_turn)) if cfg.skills.in_context else None
-    gate = WeightsGate(cfg, store, pool, run.start_step, log, hints=hints_for) if cfg.gate.mode != "off" else None
+    engine = make_engine(cfg.rollout, policy)  # samples rollouts and decodes evaluations (skills and teacher use the trainer's module)
+    gate = WeightsGate(cfg, store, pool, run.start_step, log, hints=hints_for, engine=engine) if cfg.gate.mode != "off" else None
     if gate is not None:
         gate.start(policy, optimizer, f"{cfg.model.name}{run.origin}")
     skill_gate = None
     if gate is not None and cfg.gate.skills_every:  # the same lineage, truncated once by the WeightsGate
         skill_gate = SkillGate(cfg, pool, gate.lineage, library, lambda lib, seeds: library_hints(lib, pool, seeds, cfg, multi_turn),
-                               run.state.get("skills_incumbent"), log)
-    eval_before(run, cfg, progress, log, hints=hints_for)
+                               run.state.get("skills_incumbent"), log, engine=engine)
+    eval_before(run, cfg, progress, log, hints=hints_for, engine=engine)
 
     sampling = SamplingParams(cfg.sampling.max_new_tokens, cfg.sampling.temperature, cfg.sampling.top_p, tuple(cfg.sampling.stop))
     for step in range(run.start_step, cfg.train.steps):
@@ -1119,7 +1121,7 @@ def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress 
         shown = hints_for(seeds) if hints_for is not None else None  # (B,) the skill hint in each task's prompts, or None
 
         # ---- rollout and outcome advantages (as GRPO); the attempts join the replay buffer
-        played = play(policy, pool, seeds, shown, sampling, gen, system, cfg, multi_turn, step + 1)
+        played = play(policy, pool, seeds, shown, sampling, gen, system, cfg, multi_turn, step + 1, engine)
         buffer.extend(played.attempts)
         store.append_jsonl("replay", step + 1, [a.to_json() for a in played.attempts])
         routes = group_routes(played.success)  # (B,) all_fail / mixed / all_win
@@ -1153,6 +1155,7 @@ def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress 
         st = update(policy, optimizer, batch, cfg, gen, opt_step, imitation, learner=run.learner)
         opt_step += st.opt_steps
         episodes += len(played.attempts) + hinted.episodes
+        engine.load_weights(policy)  # the rollout engine samples the next step with the new weights
         times.append(time.perf_counter())
 
         metrics = step_metrics(played, skills, hinted, wins, taught, shares, extra, routes, st, len(batch), cfg, opt_step, episodes, times)
@@ -1172,7 +1175,7 @@ def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress 
         if gate is not None and (done % cfg.gate.every == 0 or done == cfg.train.steps):
             store.log_metrics(done, gate.check(policy, optimizer, done, progress))
         if cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.train.steps and cfg.eval.n > 0:
-            r = run_eval(policy, cfg, pool, store, done, f"step_{done:04d}", progress, gate, hints=hints_for)
+            r = run_eval(policy, cfg, pool, store, done, f"step_{done:04d}", progress, gate, hints=hints_for, engine=engine)
             log(f"eval @ {done}: success {r.success_rate:.3f} [{r.ci95[0]:.3f}, {r.ci95[1]:.3f}]")
         if (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0) or done == cfg.train.steps:
             saved = {"opt_steps": opt_step, "trust": trust.state_dict(), "skills": library.snapshot(), "episodes": episodes}
@@ -1182,7 +1185,8 @@ def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress 
 
     if cfg.train.steps == 0 and store.latest_checkpoint() is None:
         store.save_checkpoint(0, policy, optimizer, {"opt_steps": 0, "trust": trust.state_dict(), "skills": library.snapshot(), "episodes": 0})
-    final_evals(policy, cfg, run, library, multi_turn, gate, hints_for, progress, log)
+    final_evals(policy, cfg, run, library, multi_turn, gate, hints_for, progress, log, engine)
+    engine.close()
     store.close()
     pool.close()
     return out

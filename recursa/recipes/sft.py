@@ -31,6 +31,7 @@ import torch
 
 from recursa.config import SFTConfig
 from recursa.demos import build_demos
+from recursa.engines import make_engine
 from recursa.errors import UserError
 from recursa.recipes.common import (
     eval_before,
@@ -64,7 +65,8 @@ def train(cfg: SFTConfig, out: Path, resume: bool = False, progress: Progress | 
     per_epoch = math.ceil(len(rows) / cfg.train.batch_size)
 
     start_epoch, opt_step = int(run.state.get("epoch", 0)), run.opt_steps
-    eval_before(run, cfg, progress, log)
+    engine = make_engine(cfg.rollout, policy)  # decodes the evaluations
+    eval_before(run, cfg, progress, log, engine=engine)
 
     pad = policy.tokenizer.pad_token_id
     for epoch in range(start_epoch, cfg.train.epochs):
@@ -87,16 +89,18 @@ def train(cfg: SFTConfig, out: Path, resume: bool = False, progress: Progress | 
             if progress:
                 progress(f"epoch {epoch + 1}", b + 1, per_epoch)
         log(f"epoch {epoch + 1}/{cfg.train.epochs}  loss {sum(losses) / len(losses):.4f} (last batch {losses[-1]:.4f})  {opt_step} optimizer steps")
+        engine.load_weights(policy)
         done = epoch + 1
         if cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.train.epochs and cfg.eval.n > 0:
-            r = run_eval(policy, cfg, pool, store, opt_step, f"epoch_{done:03d}", progress)
+            r = run_eval(policy, cfg, pool, store, opt_step, f"epoch_{done:03d}", progress, engine=engine)
             log(f"eval @ epoch {done}: success {r.success_rate:.3f} [{r.ci95[0]:.3f}, {r.ci95[1]:.3f}]")
         if (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0) or done == cfg.train.epochs:
             store.save_checkpoint(opt_step, policy, optimizer, {"epoch": done, "opt_steps": opt_step})
 
     if cfg.eval.after and cfg.eval.n > 0 and not (out / "eval" / "after.json").exists():
-        r = run_eval(policy, cfg, pool, store, opt_step, "after", progress)
+        r = run_eval(policy, cfg, pool, store, opt_step, "after", progress, engine=engine)
         log(f"after: success {r.success_rate:.3f} [{r.ci95[0]:.3f}, {r.ci95[1]:.3f}] on {r.n} {cfg.eval.split} items")
+    engine.close()
     store.close()
     pool.close()
     return out
