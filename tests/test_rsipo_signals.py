@@ -194,8 +194,8 @@ def test_routing_gates_the_teacher_and_replays_stored_wins(tmp_path, monkeypatch
     mean of -log pi over their actions."""
     seen = {}
     real_update, real_set = rsipo.update, rsipo.set_advantages
-    monkeypatch.setattr(rsipo, "update", lambda policy, opt, batch, cfg, gen, step, imitation=None: seen.update(batch=batch, imitation=imitation)
-                        or real_update(policy, opt, batch, cfg, gen, step, imitation))
+    monkeypatch.setattr(rsipo, "update", lambda policy, opt, batch, cfg, gen, step, imitation=None, **kw: seen.update(batch=batch, imitation=imitation)
+                        or real_update(policy, opt, batch, cfg, gen, step, imitation, **kw))
     monkeypatch.setattr(rsipo, "set_advantages", lambda *a: seen.update(args=a) or real_set(*a))
     B = 6
     base = ["env.name=toy-parity", "train.steps=1", f"train.prompts_per_step={B}", "train.group_size=2", "teacher.source=reference", "skills.enabled=false",
