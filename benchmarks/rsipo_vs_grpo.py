@@ -71,6 +71,24 @@ CODE_VERSION = 1
 # The games. `sets` are the --set overrides every recipe of the game shares; `rsipo` the
 # RSIPO-only ones; B x G episodes per step; `steps` per run; held-out evaluations every
 # `eval_every` steps on `eval_n` games.
+# What both games' runs share: the SFT runs' prompt format, sampling, GiGPO, B x G, lr.
+RL_SETS = [
+    "agent.history_turns=1",  # the SFT runs' prompt format
+    "sampling.temperature=1.0",
+    "sampling.max_new_tokens=12",
+    "algo.step_advantage=gigpo",
+    "train.prompts_per_step=4",
+    "train.group_size=8",
+    "train.micro_batch_size=32",
+    "train.lr=2e-5",
+    "run.threads=2",
+]
+RL_BUDGET = {
+    "rsipo": ["skills.write_per_group=1", "skills.candidates=4", "skills.max_new_tokens=24", "skills.replay_size=2", "skills.replay_turns=2"],
+    "steps": 16,
+    "eval_n": 100,
+    "eval_every": 4,
+}
 TWX_TWC = {
     "env": "twx:twc",
     "slug": "twx_twc",
@@ -80,20 +98,9 @@ TWX_TWC = {
         "model.name=smollm2-135m-instruct",
         'env.name="twx:twc"',
         "env.kwargs={numLocations = 1, numItemsToPutAway = 1, includeDoors = 0, max_steps = 10}",
-        "agent.history_turns=1",  # the SFT run's prompt format
-        "sampling.temperature=1.0",
-        "sampling.max_new_tokens=12",
-        "algo.step_advantage=gigpo",
-        "train.prompts_per_step=4",
-        "train.group_size=8",
-        "train.micro_batch_size=32",
-        "train.lr=2e-5",
-        "run.threads=2",
+        *RL_SETS,
     ],
-    "rsipo": ["skills.write_per_group=1", "skills.candidates=4", "skills.max_new_tokens=24", "skills.replay_size=2", "skills.replay_turns=2"],
-    "steps": 16,
-    "eval_n": 100,
-    "eval_every": 4,
+    **RL_BUDGET,
 }
 HOUSEHOLD = {
     "env": "household",
@@ -104,20 +111,9 @@ HOUSEHOLD = {
         "model.name=smollm2-135m-instruct",
         'env.name="household"',
         'env.kwargs={rooms = 1, objects_per_room = 2, distractors = 0, tasks = ["pick_and_place", "heat_then_place", "cool_then_place", "clean_then_place"], max_steps = 12}',
-        "agent.history_turns=1",
-        "sampling.temperature=1.0",
-        "sampling.max_new_tokens=12",
-        "algo.step_advantage=gigpo",
-        "train.prompts_per_step=4",
-        "train.group_size=8",
-        "train.micro_batch_size=32",
-        "train.lr=2e-5",
-        "run.threads=2",
+        *RL_SETS,
     ],
-    "rsipo": ["skills.write_per_group=1", "skills.candidates=4", "skills.max_new_tokens=24", "skills.replay_size=2", "skills.replay_turns=2"],
-    "steps": 16,
-    "eval_n": 100,
-    "eval_every": 4,
+    **RL_BUDGET,
 }
 TINY = {
     "env": "toy-corridor",
