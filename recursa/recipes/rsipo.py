@@ -4,7 +4,8 @@
         seeds      <- B training seeds (as GRPO)
         [in context <- skills.in_context: per task, the library's best skill, shown to the policy in its own
                       prompts (after the task line / the question, where the teacher's hint goes)]
-        rollout    -> B x G attempts: single-turn completions, or multi-turn episodes (one row per turn)
+        rollout    -> B x G attempts: single-turn completions, or multi-turn episodes (one row per turn),
+                      in this process or on Ray workers (`distributed`, recursa/distributed/)
         outcome    <- A_outcome from rewards (B, G)                       (+ GiGPO's step term, games)
         buffer     <- this step's attempts join the replay buffer (replay.jsonl, for resume)
         write      <- per group up to `skills.write_per_group` attempts (a success and a failure, where
@@ -88,10 +89,11 @@ from recursa.config import RSIPOConfig
 from recursa.envs import EnvPool, system_prompt_of
 from recursa.generation import SamplingParams, generate, sequence_logprobs, shared_prefix_logprobs
 from recursa.models import Policy
+from recursa.distributed.rollouts import make_rollouts
 from recursa.recipes.common import Progress, eval_before, open_run, run_eval, step_generator
 from recursa.recipes.gating import SkillGate, WeightsGate
 from recursa.recipes.grpo import Imitation, episode_rows, train_seeds, update, update_metrics
-from recursa.rollout import render_prompt, rollout, rollout_episodes, with_hint
+from recursa.rollout import render_prompt, with_hint
 from recursa.skills import SkillLibrary, SkillWritingStats, parse_skill, render_trajectory_for_skill, retrieve, retrieve_many, skill_writing_prompt
 from recursa.skills.writing import MARKER, ParsedSkill
 from recursa.trajectory import Trajectory, collate
@@ -565,6 +567,7 @@ def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress 
     if gate is not None and cfg.gate.skills_every:  # the same lineage, truncated once by the WeightsGate
         skill_gate = SkillGate(cfg, pool, gate.lineage, library, lambda lib, seeds: library_hints(lib, pool, seeds, cfg, multi_turn),
                                run.state.get("skills_incumbent"), log)
+    rollouts = make_rollouts(cfg, policy, pool, log)  # in this process, or on Ray workers
     eval_before(run, cfg, progress, log, hints=hints_for)
 
     sampling = SamplingParams(cfg.sampling.max_new_tokens, cfg.sampling.temperature, cfg.sampling.top_p, tuple(cfg.sampling.stop))
@@ -579,14 +582,14 @@ def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress 
 
         # ---- rollout and outcome advantages (as GRPO) ----------------------------------
         if multi_turn:
-            ero = rollout_episodes(policy, pool, seeds, G, sampling, gen, system, cfg.agent, hints=shown)
+            ero = rollouts.episodes(seeds, G, sampling, gen, system, cfg.agent, hints=shown)
             gen_stats = ero.stats
             rewards = torch.tensor([e.total_reward for e in ero.episodes], dtype=torch.float32, device="cpu").view(B, G)  # (B, G)
             advantages = compute_advantages(cfg.algo.advantage, rewards)  # (B, G)
             rows, row_adv, episode_metrics = episode_rows(ero.episodes, advantages, cfg)  # one row per turn
             attempts = episode_attempts(ero.episodes, step + 1, cfg.agent, shown)
         else:
-            ro = rollout(policy, pool, seeds, G, sampling, gen, system, hints=shown)
+            ro = rollouts.rollout(seeds, G, sampling, gen, system, hints=shown)
             gen_stats = ro.stats
             rows = ro.trajectories
             rewards = torch.tensor([t.reward for t in rows], dtype=torch.float32, device="cpu").view(B, G)  # (B, G)
@@ -710,6 +713,7 @@ def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress 
             "time/step_s": t4 - t0,
             "throughput/gen_tokens_per_s": gen_stats.generated_tokens / max(t1 - t0, 1e-9),
             "throughput/tokens_per_s": (prompt_tokens + lengths.sum().item()) / max(t4 - t0, 1e-9),
+            **rollouts.metrics(),
         }
         store.log_metrics(step + 1, metrics)
         store.log_samples(step + 1, [
@@ -734,6 +738,7 @@ def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress 
                 saved["skills_incumbent"] = skill_gate.incumbent  # the last accepted library, for a resumed skills gate
             store.save_checkpoint(done, policy, optimizer, saved)
 
+    rollouts.close()
     if cfg.train.steps == 0 and store.latest_checkpoint() is None:
         store.save_checkpoint(0, policy, optimizer, {"opt_steps": 0, "trust": trust.state_dict(), "skills": library.snapshot()})
     if cfg.eval.after and cfg.eval.n > 0 and not (out / "eval" / "after.json").exists():
