@@ -41,8 +41,12 @@ from recursa.generation import generators_from, group_seeds
 from recursa.models import Policy, load_policy
 from recursa.distributed.rollouts import RolloutRequest, merge, play, shard_bounds
 
+# What a dead worker looks like from the driver: its process killed (ray.kill, a crash, Ray's
+# out-of-memory killer), its node gone, or its result lost with it.
 _DEATHS = tuple(
-    getattr(ray.exceptions, name) for name in ("RayActorError", "WorkerCrashedError", "NodeDiedError", "ObjectLostError") if hasattr(ray.exceptions, name)
+    getattr(ray.exceptions, name)
+    for name in ("RayActorError", "WorkerCrashedError", "NodeDiedError", "ObjectLostError", "OutOfMemoryError")
+    if hasattr(ray.exceptions, name)
 )
 
 
@@ -134,6 +138,11 @@ def _task_error(exc: Exception) -> Exception:
     return UserError(str(cause)) if isinstance(cause, UserError) else exc
 
 
+def _first_line(exc: Exception, limit: int = 200) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text[:limit]}{'...' if len(text) > limit else ''}"
+
+
 class RayRollouts:
     """The rollout backend on `distributed.workers` Ray actors (see the module doc)."""
 
@@ -154,7 +163,11 @@ class RayRollouts:
         self.restarts_total = 0
         self._metrics: dict[str, float] = {}
         t0 = time.perf_counter()
-        self._wait_ready({w: self._start(w) for w in range(dc.workers)})
+        try:
+            self._wait_ready({w: self._start(w) for w in range(dc.workers)})
+        except _DEATHS as exc:
+            self.close()
+            raise UserError(f"a Ray rollout worker died while starting ({_first_line(exc)}): see the Ray logs (/tmp/ray/session_latest/logs)") from None
         log(f"rollouts: {dc.workers} Ray workers ({dc.worker_cpus:g} CPU, {dc.worker_gpus:g} GPU each, policy on {device}) ready in {time.perf_counter() - t0:.1f}s")
 
     def _check_fits(self) -> None:
@@ -174,11 +187,35 @@ class RayRollouts:
         return actor.setup.remote(self.model_cfg, self.envs, self.threads, self.frozen)
 
     def _wait_ready(self, readies: dict) -> None:
+        """Wait for the workers' setup calls; a worker's own error comes back as it is, one
+        that died while starting is a one-line error (at start) or a death (a replacement)."""
         for w, ref in readies.items():
             try:
                 ray.get(ref)
             except ray.exceptions.RayTaskError as exc:
                 raise _task_error(exc) from None
+
+    def _died(self, j: int, exc: Exception, restarts: int) -> int:
+        """Count a death of worker j in this call; stop the run past max_restarts."""
+        restarts += 1
+        self.restarts_total += 1
+        if restarts > self.dc.max_restarts:
+            raise UserError(
+                f"Ray rollout workers died {restarts} times in one step (last: {_first_line(exc)}): see the Ray logs "
+                "(/tmp/ray/session_latest/logs on the node), give the workers more memory, or raise distributed.max_restarts"
+            ) from None
+        self.log(f"rollouts: worker {j} died ({type(exc).__name__}); replacing it and redoing its share of the step")
+        return restarts
+
+    def _replace(self, j: int, restarts: int) -> int:
+        """Start a replacement for worker j (again, if the replacement dies while starting)."""
+        while True:
+            self._kill(self.workers[j])
+            try:
+                self._wait_ready({j: self._start(j)})
+                return restarts
+            except _DEATHS as exc:
+                restarts = self._died(j, exc, restarts)
 
     def _call(self, request: RolloutRequest, generator: torch.Generator):
         t0 = time.perf_counter()
@@ -198,18 +235,10 @@ class RayRollouts:
             except ray.exceptions.RayTaskError as exc:
                 raise _task_error(exc) from None
             except _DEATHS as exc:
-                restarts += 1
-                self.restarts_total += 1
-                if restarts > self.dc.max_restarts:
-                    raise UserError(
-                        f"Ray rollout workers died {restarts} times in one call (last: {type(exc).__name__}): see the Ray logs "
-                        "(/tmp/ray/session_latest/logs on the node), or raise distributed.max_restarts"
-                    ) from None
-                lo, hi = bounds[j]
-                self.log(f"rollouts: worker {j} died ({type(exc).__name__}); replacing it and redoing its {hi - lo} groups")
-                self._kill(self.workers[j])
-                self._wait_ready({j: self._start(j)})
+                restarts = self._replace(j, self._died(j, exc, restarts))
                 pending[submit(j)] = j
+            except ray.exceptions.RayError as exc:
+                raise UserError(f"a Ray rollout worker failed: {_first_line(exc)}") from None
         del weights
         self._metrics = {"distributed/restarts": float(restarts), "time/weights_s": t1 - t0}
         return merge(parts, [lo for lo, _ in bounds])

@@ -66,7 +66,9 @@ Result = RolloutResult | EpisodeRollout
 
 def play(policy: Policy, pool: EnvPool, request: RolloutRequest, generator) -> Result:
     """Run `request` on `policy` and `pool` with `generator` (one generator, or one per seed).
-    The single place where a backend, local or in a worker, calls the rollout functions."""
+    The single place where a backend, local or in a worker, calls the rollout functions: a
+    rollout engine (`recursa.engines`, the `engine=` argument of both functions) is passed
+    here, and made next to the policy it serves (`LocalRollouts.__init__`, `RolloutWorker.setup`)."""
     r = request
     if r.agent is None:
         return rollout(policy, pool, r.seeds, r.group_size, r.sampling, generator, r.system_prompt, hints=r.hints)
