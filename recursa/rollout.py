@@ -23,7 +23,8 @@ by default), or a list of generators, one per seed (`generation.group_generators
 recipes' `sampling.streams = "group"`). With a list, seed i's group samples from its own
 stream (for games, each of its G episodes from a stream drawn from it), so the result for a
 group does not depend on which other seeds are in the same call: a step split into shards
-of seeds (`recursa.distributed`) gives exactly the trajectories of the unsplit call.
+of seeds (`recursa.distributed`) gives the unsplit call's sampled tokens, texts and rewards
+(the sampler's log-probs to float rounding: a smaller batch is padded differently).
 """
 
 from __future__ import annotations

@@ -59,11 +59,13 @@ def test_group_seeds_are_draws_of_the_step_generator():
 
 def test_per_prompt_streams_do_not_depend_on_batch_mates(tiny_policy):
     """With one generator per prompt, a prompt's samples are the same alone or batched with
-    others of other lengths (which finish at other times)."""
+    others of other lengths, while samples finish at different steps (a stop string)."""
     tok, model = tiny_policy.tokenizer, tiny_policy.causal_lm
     prompts = [tok.encode(t) for t in ("alpha", "beta gamma delta epsilon", "z")]
-    params = SamplingParams(max_new_tokens=10, temperature=1.0)
+    params = SamplingParams(max_new_tokens=10, temperature=1.0, stop=("e",))
     together = generate(model, tok, prompts, params, n=3, generator=generators_from([11, 12, 13]))
+    assert {s.finish_reason for s in together} == {"stop", "length"}
+    assert len({len(s.token_ids) for s in together}) > 2  # rows leave the batch at several steps
     for i, p in enumerate(prompts):
         alone = generate(model, tok, [p], params, n=3, generator=generators_from([11 + i]))
         assert [s.token_ids for s in alone] == [s.token_ids for s in together[3 * i : 3 * i + 3]]

@@ -22,9 +22,10 @@ run before this module did). With "group" the backend first draws one 63-bit see
 group from the step generator (`generation.group_seeds`) and each group samples from its
 own generator; then a group's trajectories depend only on its seed, its task and the
 weights, so a split across workers, a worker's share redone after it died, and the
-single-process call all give the same trajectories, and the step generator is left in the
-same state for the rest of the step (the update's shuffles, skill writing). The Ray
-backend always uses "group" streams.
+single-process call all give the same trajectories (the same sampled tokens, texts and
+rewards; the sampler's log-probs agree to float rounding, since a shard is a smaller batch
+with other padding), and the step generator is left in the same state for the rest of the
+step (the update's shuffles, skill writing). The Ray backend always uses "group" streams.
 
 `play` is the one place a backend calls the rollout functions (a rollout engine is passed
 there, once engines exist).
