@@ -9,10 +9,10 @@ fixed weights) with four setups in one process and one local Ray:
 * local, torch on 1 thread and on `--threads` threads (the single-process backend);
 * Ray, 1 worker and 2 workers (each worker 1 CPU, torch on 1 thread).
 
-All setups are started first (the Ray cluster gets as many logical CPUs as all their
-workers together; a setup's workers idle while another plays), then one warm-up call each,
-then `--calls` rounds in which every setup plays the round's call in turn, so a change of
-load on a shared machine hits every setup alike. The figure is episodes per minute of
+All setups are started first (one pool of max(--workers) Ray actors; "Ray, k workers"
+gives each call to the first k actors of the pool, so only one set of model copies is in
+memory), then one warm-up call each, then `--calls` rounds in which every setup plays the
+round's call in turn, so a change of load on a shared machine hits every setup alike. The figure is episodes per minute of
 rollout wall time (for Ray: weights shipped through the object store, the shards played,
 the results gathered). Every Ray call is checked against the local call at the same seeds
 (same sampled tokens). Read the ratios against the local 1-thread baseline measured in the
@@ -49,6 +49,27 @@ def timed(backend, seeds, group_size, sampling, agent, call: int, threads: int |
     t0 = time.perf_counter()
     result = backend.episodes(seeds, group_size, sampling, torch.Generator().manual_seed(call), None, agent)
     return time.perf_counter() - t0, result
+
+
+class FirstWorkers:
+    """A RayRollouts whose calls go to the first k actors of its pool (the shards follow)."""
+
+    def __init__(self, remote, k: int):
+        self.remote, self.k = remote, k
+
+    def episodes(self, *args, **kwargs):
+        pool = self.remote.workers
+        self.remote.workers = pool[: self.k]
+        try:
+            return self.remote.episodes(*args, **kwargs)
+        finally:
+            self.remote.workers = pool
+
+    def metrics(self):
+        return self.remote.metrics()
+
+    def close(self):
+        self.remote.close()
 
 
 def same_tokens(a, b) -> bool:
@@ -89,13 +110,14 @@ def main() -> int:
     for threads in sorted({1, args.threads}):
         local = LocalRollouts(policy, EnvPool(lambda: make_env(args.env, **kwargs)), "group")
         setups.append({"setup": f"local, {threads} thread{'s' if threads > 1 else ''}", "backend": local, "threads": threads})
-    connect("", sum(worker_counts))
-    torch.set_num_threads(1)
+    pool_size = max(worker_counts)
+    connect("", pool_size)
+    torch.set_num_threads(1)  # the driver only ships weights and gathers results
+    t0 = time.perf_counter()
+    remote = RayRollouts(cfg.model_copy(update={"distributed": cfg.distributed.model_copy(update={"workers": pool_size})}), policy, log=lambda s: None)
+    startup = time.perf_counter() - t0
     for w in worker_counts:
-        run_cfg = cfg.model_copy(update={"distributed": cfg.distributed.model_copy(update={"workers": w})})
-        t0 = time.perf_counter()
-        remote = RayRollouts(run_cfg, policy, log=lambda s: None)
-        setups.append({"setup": f"Ray, {w} worker{'s' if w > 1 else ''}", "backend": remote, "threads": 1, "startup_s": time.perf_counter() - t0})
+        setups.append({"setup": f"Ray, {w} worker{'s' if w > 1 else ''}", "backend": FirstWorkers(remote, w), "threads": 1, "startup_s": startup})
     for s in setups:  # warm-up
         timed(s["backend"], seeds[0], args.group_size, sampling, agent, 10_000, s["threads"])
         s["seconds"], s["episodes"], s["results"], s["weights_put_s"] = 0.0, 0, [], 0.0
@@ -114,7 +136,7 @@ def main() -> int:
         if "startup_s" in s:
             row.update(startup_s=s["startup_s"], weights_put_s=s["weights_put_s"], same_tokens_as_local=same_tokens(s["results"], reference))
         rows.append(row)
-        s["backend"].close()
+    remote.close()
     ray.shutdown()
 
     base = rows[0]["episodes_per_min"]
@@ -133,11 +155,11 @@ def main() -> int:
         "",
         f"`{meta['command']}`; {meta['cpus']} CPUs, load average at the end {meta['load_avg_at_end'][0]:.1f} (a shared machine: read the ratios).",
         "",
-        "| setup | episodes / min | ratio vs local 1 thread | Ray start-up (s) | weights put per call (s) | same tokens as local |",
+        "| setup | episodes / min | ratio vs local 1 thread | Ray pool start-up (s) | weights put per call (s) | same tokens as local |",
         "|---|---|---|---|---|---|",
     ]
     for r in rows:
-        ray_cols = f"{r['startup_s']:.1f} | {r['weights_put_s']:.2f} | {r['same_tokens_as_local']}" if "startup_s" in r else "- | - | (reference)"
+        ray_cols = f"{r['startup_s']:.1f} | {r['weights_put_s']:.2f} | {r['same_tokens_as_local']}" if "startup_s" in r else "- | - | -"
         lines.append(f"| {r['setup']} | {r['episodes_per_min']:.1f} | {r['ratio_vs_local_1_thread']:.2f} | {ray_cols} |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
