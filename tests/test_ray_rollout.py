@@ -62,7 +62,7 @@ register_env("toy-digits-slow", SlowDigitsEnv, "toy-digits with a marker file an
 def local_ray():
     """One local Ray for the module; the workers import the tests' envs from tests/."""
     path = os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": path, "RECURSA_DEVICE": "cpu"}})
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": path, "RECURSA_DEVICE": "cpu"}})
     yield
     ray.shutdown()
 

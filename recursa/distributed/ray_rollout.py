@@ -118,8 +118,9 @@ def connect(address: str, cpus_needed: float) -> bool:
         return False
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     try:
-        if address == "":
-            ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(cpus_needed)), include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
+        if address == "":  # "local": a new Ray of our own, even where `ray start` left a cluster (or its address file)
+            ray.init(address="local", num_cpus=max(os.cpu_count() or 1, math.ceil(cpus_needed)), include_dashboard=False, log_to_driver=False,
+                     logging_level=logging.WARNING)
         else:
             ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
     except (ConnectionError, RuntimeError, ValueError) as exc:
