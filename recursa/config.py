@@ -8,11 +8,12 @@ fall back to a plain string.
 
 from __future__ import annotations
 
+import re
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from recursa.agent import AgentConfig
 from recursa.errors import UserError
@@ -75,6 +76,13 @@ class SamplingConfig(_Section):
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass")
     max_new_tokens: int = Field(16, gt=0, description="completion length cap")
     stop: list[str] = Field(default_factory=list, description="stop strings (the token completing one is kept)")
+    streams: Literal["auto", "step", "group"] = Field(
+        "auto",
+        description="random streams of training rollouts: 'step', one stream for the whole step's sampling; 'group', one stream per task "
+        "group (per episode, for games) drawn from the step's generator, so a group's draws do not depend on which other groups share "
+        "a batch or a process, and a step gives the same trajectories in one process or split across Ray workers; "
+        "'auto': 'group' with distributed.backend = 'ray', else 'step'",
+    )
 
 
 class VLLMSettings(_Section):
@@ -215,6 +223,52 @@ class LearnerConfig(_Section):
     )
 
 
+class DistributedConfig(_Section):
+    """Where training rollouts run (recursa/distributed/): in the trainer's process, or on a
+    pool of Ray actors, each holding a copy of the policy and its own envs, while the
+    learner stays in the trainer's process. The policy's weights go to the workers through
+    Ray's object store once per step."""
+
+    backend: Literal["none", "ray"] = Field("none", description="'none': rollouts in this process; 'ray': on `workers` Ray actors (pip install 'recursa[ray]')")
+    workers: int = Field(2, gt=0, description="Ray rollout workers; a step's task groups are split between them in contiguous shards")
+    address: str = Field(
+        "",
+        description="the Ray cluster: '' starts a local Ray in this process, 'auto' joins the cluster started on this machine with "
+        "`ray start --head`, 'ray://HOST:10001' connects through Ray Client, 'HOST:6379' to a cluster's head",
+    )
+    worker_cpus: float = Field(1.0, gt=0, description="CPUs each worker reserves in Ray; it also runs torch with that many threads (at least 1)")
+    worker_gpus: float = Field(0.0, ge=0, description="GPUs each worker reserves in Ray; > 0 puts the worker's copy of the policy on its GPU")
+    max_restarts: int = Field(3, ge=0, description="dead workers replaced per step (its share of the step redone) before the run stops")
+
+    @field_validator("address")
+    @classmethod
+    def _address(cls, value: str) -> str:
+        if not re.fullmatch(r"|auto|ray://\S+|[\w.\-]+:\d+", value.strip()):
+            raise ValueError("must be '' (start a local Ray), 'auto', 'ray://HOST:PORT' or 'HOST:PORT'")
+        return value.strip()
+
+
+def rollout_streams(cfg) -> str:
+    """The random streams a recipe's training rollouts use: 'step' or 'group' (`sampling.streams`,
+    with 'auto' = 'group' exactly when the rollouts run on Ray)."""
+    if cfg.sampling.streams != "auto":
+        return cfg.sampling.streams
+    return "group" if cfg.distributed.backend == "ray" else "step"
+
+
+def _check_distributed(cfg) -> None:
+    if cfg.distributed.backend == "ray" and cfg.rollout.engine != "native":
+        raise ValueError(
+            "distributed.backend = 'ray' runs the native sampler in each worker; rollout.engine = 'vllm' samples in this process: "
+            "choose one (set rollout.engine = 'native' or distributed.backend = 'none')"
+        )
+    if cfg.distributed.backend == "ray" and cfg.sampling.streams == "step":
+        raise ValueError(
+            "distributed.backend = 'ray' splits a step's task groups between workers, so each group needs its own random stream: "
+            "set sampling.streams = 'group' (or 'auto')"
+        )
+
+
 class InitConfig(_Section):
     """Where the weights start: the model's own, or a finished run's (a warm start)."""
 
@@ -263,6 +317,7 @@ class GRPOConfig(RecipeBase):
     algo: AlgoConfig = Field(default_factory=AlgoConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     gate: GateSettings = Field(default_factory=GateSettings)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
 
     @model_validator(mode="after")
     def _check(self) -> "GRPOConfig":
@@ -279,6 +334,7 @@ class GRPOConfig(RecipeBase):
             )
         if self.recipe == "grpo" and self.gate.skills_every:
             raise ValueError("gate.skills_every gates a skill library, which only the rsipo recipe has: set gate.skills_every = 0 or recipe = 'rsipo'")
+        _check_distributed(self)
         return self
 
 
@@ -434,6 +490,7 @@ class RSIPOConfig(RecipeBase):
     route: RouteConfig = Field(default_factory=RouteConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     gate: GateSettings = Field(default_factory=GateSettings)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
 
     @model_validator(mode="after")
     def _check(self) -> "RSIPOConfig":
@@ -520,6 +577,7 @@ class RFTConfig(RecipeBase):
     rft: ExpertIterationConfig = Field(default_factory=ExpertIterationConfig)
     train: SupervisedConfig = Field(default_factory=lambda: SupervisedConfig(epochs=1))
     gate: GateSettings = Field(default_factory=GateSettings)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
 
     @model_validator(mode="after")
     def _check(self) -> "RFTConfig":
@@ -528,6 +586,7 @@ class RFTConfig(RecipeBase):
         _check_test_looks(self, self.rft.rounds)
         if self.gate.skills_every:
             raise ValueError("gate.skills_every gates a skill library, which only the rsipo recipe has: set gate.skills_every = 0 or recipe = 'rsipo'")
+        _check_distributed(self)
         return self
 
 

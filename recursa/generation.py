@@ -25,12 +25,21 @@ lives on the CPU; on the CPU the sampling uniforms come from it directly, on a G
 generator on the GPU seeded by one draw of it (`uniform_source`), so a GPU run is as seeded
 as a CPU run and the (N, V) uniforms never cross the bus. The two devices draw different
 streams: runs reproduce on the same device, not across devices.
+
+Random streams: `generator` is one generator for the whole call (each decode step draws
+(N, V) uniforms for every sample of the call), or a list of generators, one per prompt
+(`group_generators`): prompt i's n samples then draw (n, V) uniforms from generator i at
+each step while any of them is still running, so what a group samples depends only on its
+own stream, not on which other prompts share the call. That is what lets a step's groups
+be split across processes (`recursa.distributed`) and still draw the same numbers.
 """
 
 from __future__ import annotations
 
 import inspect
+import itertools
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -102,6 +111,37 @@ def uniform_source(generator: torch.Generator | None, device: torch.device):
     return lambda shape: torch.rand(shape, generator=source, device=device)
 
 
+def group_seeds(generator: torch.Generator | None, n: int) -> list[int]:
+    """n 63-bit seeds drawn from `generator` (a CPU generator, e.g. a recipe's step generator;
+    torch's default CPU generator when None): one random stream per task group of a step."""
+    return [int(s) for s in torch.randint(0, 2**63 - 1, (n,), generator=generator, device="cpu").tolist()]
+
+
+def generators_from(seeds: Sequence[int]) -> list[torch.Generator]:
+    """One CPU generator per seed (what `group_seeds` drew; picklable ints cross processes)."""
+    return [torch.Generator(device="cpu").manual_seed(int(s)) for s in seeds]
+
+
+def group_generators(generator: torch.Generator | None, n: int) -> list[torch.Generator]:
+    """n independent generators seeded by n draws of `generator`: per-group streams."""
+    return generators_from(group_seeds(generator, n))
+
+
+Generators = torch.Generator | Sequence[torch.Generator] | None  # one stream for the call, one per prompt, or torch's default
+
+
+def _prompt_uniforms(draws: list, live: list[int], n: int, vocab: int) -> torch.Tensor:
+    """(len(live), V) uniforms for the live rows (sorted sample indices, sample k of prompt
+    i = i * n + k): every prompt with a live row draws (n, V) from its own stream, and the
+    rows of its live samples are kept."""
+    pieces = []
+    for p, rows in itertools.groupby(live, key=lambda i: i // n):
+        u = draws[p]((n, vocab))  # (n, V)
+        keep = [i - p * n for i in rows]
+        pieces.append(u if len(keep) == n else u[torch.tensor(keep, dtype=torch.long, device=u.device)])
+    return torch.cat(pieces)
+
+
 def _sample_next(logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits (N, V), uniforms (N, V) in [0, 1) -> (token (N,), logprob (N,)).
 
@@ -132,11 +172,15 @@ def generate(
     prompts: list[list[int]],
     params: SamplingParams,
     n: int = 1,
-    generator: torch.Generator | None = None,
+    generator: Generators = None,
     stats: GenerationStats | None = None,
 ) -> list[Sample]:
     """Sample `n` completions for each prompt; returns len(prompts) * n samples, grouped
-    by prompt (sample k of prompt i is at index i * n + k)."""
+    by prompt (sample k of prompt i is at index i * n + k). `generator`: one stream for the
+    call, or a list with one generator per prompt (see the module doc)."""
+    per_prompt = isinstance(generator, (list, tuple))
+    if per_prompt and len(generator) != len(prompts):
+        raise ValueError(f"expected one generator per prompt: {len(generator)} generators for {len(prompts)} prompts")
     was_training = causal_lm.training
     causal_lm.eval()
     base, lm_head = causal_lm.get_decoder(), causal_lm.get_output_embeddings()
@@ -167,14 +211,21 @@ def generate(
     stop_window = max((len(s) for s in params.stop), default=0)
 
     vocab = last.shape[-1]
-    draw = uniform_source(generator, device) if params.temperature > 0 else None
+    draw = draws = None
+    if params.temperature > 0 and per_prompt:
+        draws = [uniform_source(g, device) for g in generator]
+    elif params.temperature > 0:
+        draw = uniform_source(generator, device)
     for step in range(params.max_new_tokens):
+        live_ids = live.tolist()  # one copy to the host per step
         uniforms = None
         if draw is not None:  # one row per sample, live or not: draws stay aligned
             uniforms = draw((total, vocab))[live]
+        elif draws is not None:  # per-prompt streams: a prompt draws while any of its samples runs
+            uniforms = _prompt_uniforms(draws, live_ids, n, vocab)
         token, logp = _sample_next(last, params, uniforms)
         keep = []
-        for row, (i, t, lp) in enumerate(zip(live.tolist(), token.tolist(), logp.tolist())):
+        for row, (i, t, lp) in enumerate(zip(live_ids, token.tolist(), logp.tolist())):
             tokens[i].append(t)
             logps[i].append(lp)
             if t in eos_ids:

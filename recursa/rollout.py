@@ -21,6 +21,14 @@ to the policy itself): a game's hint goes right after the task line (`render_tur
 single-turn task's after the question (`with_hint`), the same places as the self-teacher's
 hint, so a teacher with that skill scores exactly the prompt the policy acted on. Without
 hints (or with None for a seed) the prompt is exactly the one rendered without the option.
+
+Random streams: `generator` is one generator for the whole rollout (what the recipes pass
+by default), or a list of generators, one per seed (`generation.group_generators`; the
+recipes' `sampling.streams = "group"`). With a list, seed i's group samples from its own
+stream (for games, each of its G episodes from a stream drawn from it), so the result for a
+group does not depend on which other seeds are in the same call: a step split into shards
+of seeds (`recursa.distributed`) gives the unsplit call's sampled tokens, texts and rewards
+(the sampler's log-probs to float rounding: a smaller batch is padded differently).
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ import torch
 from recursa.agent import AgentConfig, parse_action, render_turn
 from recursa.engines import NativeEngine, RolloutEngine
 from recursa.envs.base import Env, EnvPool, as_pool, system_prompt_of
-from recursa.generation import GenerationStats, SamplingParams
+from recursa.generation import GenerationStats, Generators, SamplingParams, group_generators
 from recursa.models import Policy
 from recursa.trajectory import Episode, Trajectory, Turn
 
@@ -69,6 +77,15 @@ def _hints_of(hints: list[str | None] | None, n: int) -> list[str | None]:
     return list(hints)
 
 
+def _streams_of(generator: Generators, n: int) -> list[torch.Generator] | None:
+    """The per-seed generators when `generator` is a list (checked against n seeds), else None."""
+    if not isinstance(generator, (list, tuple)):
+        return None
+    if len(generator) != n:
+        raise ValueError(f"expected one generator per seed: {len(generator)} generators for {n} seeds")
+    return list(generator)
+
+
 def _completion_text(tokenizer, token_ids: list[int]) -> str:
     return tokenizer.decode(token_ids, skip_special_tokens=True)
 
@@ -79,7 +96,7 @@ def rollout(
     seeds: list[int],
     group_size: int,
     sampling: SamplingParams,
-    generator: torch.Generator | None,
+    generator: Generators,
     system_prompt: str | None,
     batch_size: int | None = None,
     hints: list[str | None] | None = None,
@@ -93,6 +110,7 @@ def rollout(
     tok = policy.tokenizer
     engine = engine or NativeEngine(policy)
     seed_hints = _hints_of(hints, len(seeds))
+    streams = _streams_of(generator, len(seeds))
     episode_envs = as_pool(envs).take(len(seeds) * group_size)  # env i*G+k plays sample k of seed i
     episode_obs = [env.reset(seeds[j // group_size]) for j, env in enumerate(episode_envs)]
     observations = episode_obs[::group_size]  # one item per seed, the same for its whole group
@@ -104,7 +122,8 @@ def rollout(
     step = batch_size or len(prompts)
     samples = []
     for start in range(0, len(prompts), step):
-        chunk = engine.generate(prompts[start : start + step], sampling, n=group_size, generator=generator, stats=stats)
+        gen = generator if streams is None else streams[start : start + step]
+        chunk = engine.generate(prompts[start : start + step], sampling, n=group_size, generator=gen, stats=stats)
         for s in chunk:
             s.prompt_index += start
         samples.extend(chunk)  # sample k of prompt i lands at i*G + k
@@ -152,7 +171,7 @@ def rollout_episodes(
     seeds: list[int],
     group_size: int,
     sampling: SamplingParams,
-    generator: torch.Generator | None,
+    generator: Generators,
     system_prompt: str | None,
     agent: AgentConfig,
     hints: list[str | None] | None = None,
@@ -166,10 +185,14 @@ def rollout_episodes(
     prompt ids and sampled ids, so the trainer scores what the policy saw and produced.
     `hints[i]`, when given, is shown after the task line of every turn of seed i's episodes.
     `engine` samples (None: the native sampler on `policy`).
+    With one generator per seed, each of the seed's episodes samples from its own stream
+    (G generators drawn from the seed's).
     """
     tok = policy.tokenizer
     engine = engine or NativeEngine(policy)
     n = len(seeds) * group_size
+    streams = _streams_of(generator, len(seeds))
+    episode_streams = None if streams is None else [e for g in streams for e in group_generators(g, group_size)]  # episode i*G+k
     episode_hints = [h for h in _hints_of(hints, len(seeds)) for _ in range(group_size)]
     envs = as_pool(envs).take(n)
     episode_seeds = [s for s in seeds for _ in range(group_size)]
@@ -189,7 +212,8 @@ def rollout_episodes(
             )
             for i in live
         ]
-        samples = engine.generate(prompts, sampling, n=1, generator=generator, stats=stats)
+        gen = generator if episode_streams is None else [episode_streams[i] for i in live]
+        samples = engine.generate(prompts, sampling, n=1, generator=gen, stats=stats)
         calls += 1
         anchors = {i: (envs[i].state_key() if hasattr(envs[i], "state_key") else obs[i]) for i in live}
         still = []

@@ -138,7 +138,7 @@ RUNS = {
     ]),
     "grpo_lora_game": (grpo, None, [
         "env.name=toy-corridor", *SMALL, "train.steps=1", "algo.kl_coef=0.05", "algo.step_advantage=gigpo", "sampling.top_p=0.9",
-        'model.lora={r = 2, target_modules = ["q_proj", "v_proj"]}', "eval.n=2",
+        'model.lora={r = 2, target_modules = ["q_proj", "v_proj"]}', "eval.n=2", "sampling.streams=group",  # per-episode streams
     ]),
     "rsipo_skills_game": (rsipo, REPO / "examples" / "rsipo_smoke.toml", [
         *SMALL, "train.steps=2", "skills.candidates=2", "skills.replay_size=2", "skills.in_context=true", "teacher.weighting=pass_rate",
@@ -160,7 +160,7 @@ RUNS = {
     "sft": (sft, None, ["env.name=arithmetic", "data.n=4", "train.epochs=1", "train.batch_size=2", "train.micro_batch_size=2", "eval.n=2"]),
     "rft": (rft, None, [
         "env.name=toy-coin", "rft.rounds=1", "rft.tasks_per_round=2", "rft.group_size=2", "train.batch_size=2", "train.micro_batch_size=2",
-        "eval.n=2", "gate.mode=gate", "gate.every=1", "gate.n=2",
+        "eval.n=2", "gate.mode=gate", "gate.every=1", "gate.n=2", "sampling.streams=group",  # per-group streams
     ]),
 }
 RECIPE_OF = {grpo: "grpo", rsipo: "rsipo", sft: "sft", rft: "rft"}

@@ -22,6 +22,7 @@ Specs understood by `make_env`:
 from __future__ import annotations
 
 import difflib
+import functools
 import re
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
@@ -36,6 +37,7 @@ __all__ = [
     "Env",
     "EnvPool",
     "StepResult",
+    "env_factory",
     "extract_answer",
     "last_number",
     "list_envs",
@@ -339,6 +341,15 @@ def list_envs() -> list[tuple[str, str]]:
     else:
         rows.append(("textworld:<generator>", "generated TextWorld games (not installed: pip install textworld)"))
     return rows
+
+
+def env_factory(spec: str, **kwargs: Any) -> Callable[[], Env]:
+    """A picklable zero-argument factory of the env `make_env(spec, **kwargs)` builds, for
+    another process (a Ray rollout worker): a registered env's own factory with its kwargs
+    (so the worker needs its module importable, not the registration), else `make_env`."""
+    if isinstance(spec, str) and spec.strip() in _CUSTOM:
+        return functools.partial(_CUSTOM[spec.strip()][0], **kwargs)
+    return functools.partial(make_env, spec, **kwargs)
 
 
 def make_env(spec: str, **kwargs: Any) -> Env:

@@ -3,7 +3,8 @@
     for step in range(steps):
         seeds      <- B training seeds for this step
         rollout    -> B x G trajectories (token ids, action masks, sampler log-probs, rewards);
-                      for multi-turn games B x G episodes, one training row per turn
+                      for multi-turn games B x G episodes, one training row per turn; played
+                      in this process or on Ray workers (`distributed`, recursa/distributed/)
         advantages <- estimator(rewards  # (B, G))            grpo | dr_grpo | rloo | reinforce_pp | gopo
                       (+ GiGPO's step term per turn, for games)
         update     <- epochs x mini-batches of PPO-clip, micro-batched with gradient accumulation,
@@ -38,13 +39,13 @@ from recursa.algorithms.gigpo import step_advantages
 from recursa.algorithms.losses import ppo_clip_loss, truncated_is_weights
 from recursa.config import GRPOConfig
 from recursa.distributed.ddp import SINGLE, DataParallel, SingleProcess
+from recursa.distributed.rollouts import make_rollouts
 from recursa.engines import make_engine
 from recursa.envs import split_seed
 from recursa.generation import SamplingParams, prefix_lengths, sequence_logprobs, shared_prefix_logprobs
 from recursa.models import Policy
 from recursa.recipes.common import Progress, eval_before, lr_at, open_run, run_eval, step_generator
 from recursa.recipes.gating import PromptGate, WeightsGate
-from recursa.rollout import rollout, rollout_episodes
 from recursa.trajectory import Episode, TrainBatch, Trajectory, collate
 
 def train_seeds(cfg: GRPOConfig, step: int) -> list[int]:
@@ -338,6 +339,7 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
         gate.start(policy, optimizer, f"{cfg.model.name}{run.origin}")
     prompts = PromptGate(cfg, store, pool, gate.lineage, multi_turn, log, engine=engine) if gate is not None and cfg.gate.prompt_every else None
     failures: deque[tuple[str, str]] = deque(maxlen=4)  # recent failures, what prompt proposals read
+    rollouts = make_rollouts(cfg, policy, pool, log, engine)  # in this process (through the engine), or on Ray workers
     eval_before(run, cfg, progress, log, engine=engine)
 
     sampling = SamplingParams(cfg.sampling.max_new_tokens, cfg.sampling.temperature, cfg.sampling.top_p, tuple(cfg.sampling.stop))
@@ -352,7 +354,7 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
             # Multi-turn: the group is the G episodes of one game seed; the episode's
             # advantage is broadcast over every action token of every turn (+ GiGPO's
             # step term when asked). Each turn is one training row.
-            ero = rollout_episodes(policy, pool, seeds, G, sampling, gen, system_prompt, cfg.agent, engine=engine)
+            ero = rollouts.episodes(seeds, G, sampling, gen, system_prompt, cfg.agent)
             episodes, gen_stats = ero.episodes, ero.stats
             t1 = time.perf_counter()
             rewards = torch.tensor([e.total_reward for e in episodes], dtype=torch.float32, device="cpu").view(B, G)  # (B, G)
@@ -360,7 +362,7 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
             trajs, row_advantages, episode_metrics = episode_rows(episodes, advantages, cfg)
             failures.extend((f"{e.task} {e.turns[-1].observation}", " | ".join(t.action for t in e.turns[-3:])) for e in episodes if not e.won and e.turns)
         else:
-            ro = rollout(policy, pool, seeds, G, sampling, gen, system_prompt, engine=engine)
+            ro = rollouts.rollout(seeds, G, sampling, gen, system_prompt)
             trajs, gen_stats = ro.trajectories, ro.stats
             t1 = time.perf_counter()
             rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32, device="cpu").view(B, G)  # (B, G)
@@ -393,6 +395,7 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
             "time/step_s": t2 - t0,
             "throughput/gen_tokens_per_s": gen_stats.generated_tokens / max(t1 - t0, 1e-9),
             "throughput/tokens_per_s": (prompt_tokens + lengths.sum().item()) / max(t2 - t0, 1e-9),
+            **rollouts.metrics(),
         }
         store.log_metrics(step + 1, metrics)
         store.log_samples(step + 1, [
@@ -416,6 +419,7 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
         if (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0) or done == cfg.train.steps:
             store.save_checkpoint(done, policy, optimizer, {"opt_steps": opt_step})
 
+    rollouts.close()
     if cfg.train.steps == 0 and store.latest_checkpoint() is None:
         store.save_checkpoint(0, policy, optimizer, {"opt_steps": 0})
     if cfg.eval.after and cfg.eval.n > 0 and not (out / "eval" / "after.json").exists():

@@ -3,7 +3,8 @@
     for round in range(rounds):
         tasks    <- B training seeds: a share `revisit_frac` re-drawn from earlier unsolved
                     tasks (at most `max_revisits` times each), the rest fresh
-        sample   -> B x G attempts with the current policy (episodes, for games)
+        sample   -> B x G attempts with the current policy (episodes, for games), in this
+                    process or on Ray workers (`distributed`, recursa/distributed/)
         keep     <- per task: the successes, best reward first, then shortest first
                     (`prefer_short`), identical solutions dropped (`dedupe`), at most
                     `per_task_cap` of them
@@ -38,8 +39,9 @@ import torch
 
 from recursa.config import RFTConfig
 from recursa.distributed.ddp import SINGLE, DataParallel, SingleProcess
+from recursa.distributed.rollouts import RolloutBackend, make_rollouts
 from recursa.engines import make_engine
-from recursa.envs import EnvPool, split_seed
+from recursa.envs import split_seed
 from recursa.generation import SamplingParams
 from recursa.recipes.common import (
     eval_before,
@@ -51,7 +53,6 @@ from recursa.recipes.common import (
     supervised_step,
 )
 from recursa.recipes.gating import WeightsGate
-from recursa.rollout import rollout, rollout_episodes
 from recursa.stats import pass_at_k
 from recursa.trajectory import Trajectory, collate
 
@@ -122,13 +123,13 @@ def attempt_stats(attempts: list[Attempt], group_size: int) -> dict[str, float]:
     }
 
 
-def sample_attempts(policy, pool: EnvPool, cfg: RFTConfig, seeds: list[int], gen: torch.Generator, multi_turn: bool, engine=None) -> tuple[list[Attempt], dict]:
-    """B x G attempts with the current policy (sampled by `engine`; None: native); returns them and episode metrics."""
+def sample_attempts(rollouts: RolloutBackend, cfg: RFTConfig, seeds: list[int], gen: torch.Generator, multi_turn: bool) -> tuple[list[Attempt], dict]:
+    """B x G attempts with the current policy (played by `rollouts`, in this process through the rollout engine or on Ray workers); returns them and episode metrics."""
     rc = cfg.rft
     sampling = SamplingParams(cfg.sampling.max_new_tokens, cfg.sampling.temperature, cfg.sampling.top_p, tuple(cfg.sampling.stop))
     system_prompt = cfg.model.system_prompt or None
     if multi_turn:
-        ero = rollout_episodes(policy, pool, seeds, rc.group_size, sampling, gen, system_prompt, cfg.agent, engine=engine)
+        ero = rollouts.episodes(seeds, rc.group_size, sampling, gen, system_prompt, cfg.agent)
         attempts = []
         for e in ero.episodes:
             rows = [r for r in e.rows() if not (rc.drop_invalid_turns and r.info["invalid"])]
@@ -140,7 +141,7 @@ def sample_attempts(policy, pool: EnvPool, cfg: RFTConfig, seeds: list[int], gen
             "episode/invalid_rate": sum(e.invalid_rate for e in ero.episodes) / n,
         }
         return attempts, metrics
-    ro = rollout(policy, pool, seeds, rc.group_size, sampling, gen, system_prompt, engine=engine)
+    ro = rollouts.rollout(seeds, rc.group_size, sampling, gen, system_prompt)
     return [Attempt(t.seed, t.reward, t.success, t.completion_text.strip(), [t], t.num_action_tokens) for t in ro.trajectories], {}
 
 
@@ -185,13 +186,14 @@ def train(cfg: RFTConfig, out: Path, resume: bool = False, progress: Progress | 
     gate = WeightsGate(cfg, store, pool, start, log, engine=engine) if cfg.gate.mode != "off" else None
     if gate is not None:
         gate.start(policy, optimizer, f"{cfg.model.name}{run.origin}")
+    rollouts = make_rollouts(cfg, policy, pool, log, engine)  # in this process (through the engine), or on Ray workers
     eval_before(run, cfg, progress, log, engine=engine)
 
     for rnd in range(start, rc.rounds):
         t0 = time.perf_counter()
         gen = step_generator(cfg.train.seed, rnd)
         seeds, n_revisit = round_seeds(cfg, rnd, unsolved)
-        attempts, episode_metrics = sample_attempts(policy, pool, cfg, seeds, gen, multi_turn, engine)
+        attempts, episode_metrics = sample_attempts(rollouts, cfg, seeds, gen, multi_turn)
         t1 = time.perf_counter()
 
         kept = keep_solutions(attempts, rc.per_task_cap, rc.dedupe, rc.prefer_short)
@@ -233,6 +235,7 @@ def train(cfg: RFTConfig, out: Path, resume: bool = False, progress: Progress | 
             "time/rollout_s": t1 - t0,
             "time/update_s": t2 - t1,
             "time/step_s": t2 - t0,
+            **rollouts.metrics(),
         }
         store.log_metrics(rnd + 1, metrics)
         store.log_samples(rnd + 1, [{"seed": a.seed, "completion": a.key, "reward": a.reward} for a in kept[: cfg.run.log_samples]])
@@ -251,6 +254,7 @@ def train(cfg: RFTConfig, out: Path, resume: bool = False, progress: Progress | 
         if (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0) or done == rc.rounds:
             store.save_checkpoint(done, policy, optimizer, {"opt_steps": opt_step})
 
+    rollouts.close()
     if rc.rounds == 0 and store.latest_checkpoint() is None:
         store.save_checkpoint(0, policy, optimizer, {"opt_steps": 0})
     if cfg.eval.after and cfg.eval.n > 0 and not (out / "eval" / "after.json").exists():

@@ -4,7 +4,8 @@
         seeds      <- B training seeds (as GRPO)
         [in context <- skills.in_context: per task, the library's best skill, shown to the policy in its own
                       prompts (after the task line / the question, where the teacher's hint goes)]
-        rollout    -> B x G attempts: single-turn completions, or multi-turn episodes (one row per turn)
+        rollout    -> B x G attempts: single-turn completions, or multi-turn episodes (one row per turn),
+                      in this process or on Ray workers (`distributed`, recursa/distributed/)
         outcome    <- A_outcome from rewards (B, G)                       (+ GiGPO's step term, games)
         buffer     <- this step's attempts join the replay buffer (replay.jsonl, for resume)
         routes     <- each group is all_fail, mixed or all_win (route/* metrics; [route] acts on them)
@@ -112,6 +113,7 @@ from recursa.engines import make_engine
 from recursa.envs import EnvPool, system_prompt_of
 from recursa.generation import GenerationStats, SamplingParams, generate, sequence_logprobs, shared_prefix_logprobs
 from recursa.models import Policy
+from recursa.distributed.rollouts import LocalRollouts, RolloutBackend, make_rollouts
 from recursa.recipes.common import Progress, eval_before, open_run, run_eval, step_generator
 from recursa.recipes.gating import SkillGate, WeightsGate
 from recursa.recipes.grpo import Imitation, UpdateStats, episode_rows, train_seeds, update, update_metrics
@@ -644,20 +646,22 @@ class Played:
 
 
 def play(policy: Policy, pool: EnvPool, seeds: list[int], shown: list[str | None] | None, sampling: SamplingParams, gen: torch.Generator,
-         system: str | None, cfg: RSIPOConfig, multi_turn: bool, step: int, engine=None) -> Played:
+         system: str | None, cfg: RSIPOConfig, multi_turn: bool, step: int, rollouts: RolloutBackend | None = None) -> Played:
     """B x G attempts of the step's tasks (`shown`: the in-context skill of each task, or None)
-    and their outcome advantages, as GRPO computes them; `engine` samples (None: native)."""
+    and their outcome advantages, as GRPO computes them; `rollouts` plays them (None: this
+    process, the native sampler)."""
+    rollouts = rollouts or LocalRollouts(policy, pool)
     B, G = cfg.train.prompts_per_step, cfg.train.group_size
     metrics = {}
     if multi_turn:
-        ero = rollout_episodes(policy, pool, seeds, G, sampling, gen, system, cfg.agent, hints=shown, engine=engine)
+        ero = rollouts.episodes(seeds, G, sampling, gen, system, cfg.agent, hints=shown)
         gen_stats = ero.stats
         rewards = torch.tensor([e.total_reward for e in ero.episodes], dtype=torch.float32, device="cpu").view(B, G)  # (B, G)
         advantages = compute_advantages(cfg.algo.advantage, rewards)  # (B, G)
         rows, row_adv, metrics = episode_rows(ero.episodes, advantages, cfg)  # one row per turn
         attempts = episode_attempts(ero.episodes, step, cfg.agent, shown)
     else:
-        ro = rollout(policy, pool, seeds, G, sampling, gen, system, hints=shown, engine=engine)
+        ro = rollouts.rollout(seeds, G, sampling, gen, system, hints=shown)
         gen_stats = ro.stats
         rows = ro.trajectories
         rewards = torch.tensor([t.reward for t in rows], dtype=torch.float32, device="cpu").view(B, G)  # (B, G)
@@ -1111,6 +1115,7 @@ def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress 
     if gate is not None and cfg.gate.skills_every:  # the same lineage, truncated once by the WeightsGate
         skill_gate = SkillGate(cfg, pool, gate.lineage, library, lambda lib, seeds: library_hints(lib, pool, seeds, cfg, multi_turn),
                                run.state.get("skills_incumbent"), log, engine=engine)
+    rollouts = make_rollouts(cfg, policy, pool, log, engine)  # in this process (through the engine), or on Ray workers
     eval_before(run, cfg, progress, log, hints=hints_for, engine=engine)
 
     sampling = SamplingParams(cfg.sampling.max_new_tokens, cfg.sampling.temperature, cfg.sampling.top_p, tuple(cfg.sampling.stop))
@@ -1121,7 +1126,7 @@ def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress 
         shown = hints_for(seeds) if hints_for is not None else None  # (B,) the skill hint in each task's prompts, or None
 
         # ---- rollout and outcome advantages (as GRPO); the attempts join the replay buffer
-        played = play(policy, pool, seeds, shown, sampling, gen, system, cfg, multi_turn, step + 1, engine)
+        played = play(policy, pool, seeds, shown, sampling, gen, system, cfg, multi_turn, step + 1, rollouts)
         buffer.extend(played.attempts)
         store.append_jsonl("replay", step + 1, [a.to_json() for a in played.attempts])
         routes = group_routes(played.success)  # (B,) all_fail / mixed / all_win
@@ -1158,7 +1163,8 @@ def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress 
         engine.load_weights(policy)  # the rollout engine samples the next step with the new weights
         times.append(time.perf_counter())
 
-        metrics = step_metrics(played, skills, hinted, wins, taught, shares, extra, routes, st, len(batch), cfg, opt_step, episodes, times)
+        metrics = {**step_metrics(played, skills, hinted, wins, taught, shares, extra, routes, st, len(batch), cfg, opt_step, episodes, times),
+                   **rollouts.metrics()}
         store.log_metrics(step + 1, metrics)
         store.log_samples(step + 1, [
             {"seed": t.seed, "prompt": t.prompt_text, "completion": t.completion_text, "reward": t.reward, "advantage": float(played.row_adv[i])}
@@ -1183,6 +1189,7 @@ def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress 
                 saved["skills_incumbent"] = skill_gate.incumbent  # the last accepted library, for a resumed skills gate
             store.save_checkpoint(done, policy, optimizer, saved)
 
+    rollouts.close()
     if cfg.train.steps == 0 and store.latest_checkpoint() is None:
         store.save_checkpoint(0, policy, optimizer, {"opt_steps": 0, "trust": trust.state_dict(), "skills": library.snapshot(), "episodes": 0})
     final_evals(policy, cfg, run, library, multi_turn, gate, hints_for, progress, log, engine)
