@@ -255,3 +255,12 @@ def test_mismatch_is_measured_when_no_row_is_trained(tmp_path):
 def test_tis_with_sampling_old_logprobs_is_refused():
     with pytest.raises(UserError, match="tis_cap"):
         load_config(None, ["rollout.tis_cap=2.0", "train.old_logprobs=sampling"])
+
+
+@pytest.mark.parametrize("recipe", ["grpo", "rsipo", "rft"])
+def test_ray_workers_with_the_vllm_engine_are_refused_in_one_line(recipe):
+    """Ray workers sample with the native sampler in their own processes; the vLLM engine lives
+    in the trainer's. Asking for both is a config error that names the fix."""
+    with pytest.raises(UserError, match=r"distributed.backend = 'ray'.*rollout.engine = 'vllm'.*choose one") as err:
+        load_config(None, ["rollout.engine=vllm", "distributed.backend=ray"], recipe=recipe)
+    assert "\n" not in str(err.value)
