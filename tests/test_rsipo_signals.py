@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import recursa.distributed.rollouts
 import recursa.recipes.rsipo as rsipo
 from recursa.algorithms.distill import imitation_loss
 from recursa.config import load_config
@@ -175,7 +176,9 @@ def test_hatch_hints_written_or_retrieved_by_the_policy(tmp_path, monkeypatch, h
     monkeypatch.setattr(rsipo, "parse_skill", _valid(GOOD_SKILL))
     prompts = []
     real = rsipo.rollout_episodes
-    monkeypatch.setattr(rsipo, "rollout_episodes", lambda *a, **kw: prompts.append(kw.get("hints")) or real(*a, **kw))
+    spy = lambda *a, **kw: prompts.append(kw.get("hints")) or real(*a, **kw)  # noqa: E731
+    monkeypatch.setattr(rsipo, "rollout_episodes", spy)  # the hinted re-rolls
+    monkeypatch.setattr(recursa.distributed.rollouts, "rollout_episodes", spy)  # the step's own rollout, through the rollout backend
     cfg = _cfg(*CORRIDOR, "train.steps=1", "train.prompts_per_step=2", "train.group_size=2", "hatch.enabled=true", f"hatch.hint={hint}", "skills.candidates=2",
                "skills.write_per_group=1")
     (row,) = _train_rows(rsipo.train(cfg, tmp_path / hint, log=lambda *_: None))
