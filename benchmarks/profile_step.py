@@ -4,7 +4,7 @@
     python benchmarks/profile_step.py --setting short --top 25
 
 Runs one warm-up step, then profiles the next and prints the seconds of the rollout and
-the update and the functions with the most own time. The README's breakdown comes from
+the update and the functions with the most own time. The breakdown in docs/speed.md comes from
 this script.
 """
 

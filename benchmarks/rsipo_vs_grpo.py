@@ -281,8 +281,7 @@ def run_one(name: str, seed: int, args, game: dict) -> dict | None:
         if done["spec"] == spec or args.report:
             print(f"{game['env']:>10} {name:>14} seed {seed}: committed result ({path.relative_to(REPO) if path.is_relative_to(REPO) else path})", flush=True)
             return done
-        if not args.force:
-            print(f"{game['env']:>10} {name:>14} seed {seed}: the committed result has other settings; rerunning", flush=True)
+        print(f"{game['env']:>10} {name:>14} seed {seed}: the committed result has other settings; rerunning", flush=True)
     if args.report:
         return None
     out = Path(args.runs_dir) / game["slug"] / f"{name}_seed{seed}"
@@ -408,6 +407,7 @@ def summarise(result: dict) -> dict:
     from recursa.stats import wilson_interval
 
     recipes = result["recipes"]
+    grpo_items = item_map(recipes["grpo"]) if "grpo" in recipes else {}
     comparisons = {}
     for name, entry in recipes.items():
         items = item_map(entry)
@@ -420,11 +420,11 @@ def summarise(result: dict) -> dict:
             # compared at its last evaluation within GRPO's episodes
             budget = min(s["episodes"] for s in recipes["grpo"]["seeds"])
             over = any(s["episodes"] > budget for s in entry["seeds"])
-            row["vs_grpo"] = compare(item_map(recipes["grpo"]), item_map(entry, "curve", budget) if over else items)
+            row["vs_grpo"] = compare(grpo_items, item_map(entry, "curve", budget) if over else items)
             if row["vs_grpo"] is not None:
                 row["vs_grpo"]["at_episodes"] = budget if over else None
         if "grpo" in recipes and name not in ("grpo", "warm_start"):
-            target = sum(item_map(recipes["grpo"]).values()) / max(len(item_map(recipes["grpo"])), 1)
+            target = sum(grpo_items.values()) / max(len(grpo_items), 1)
             points = sorted({p["episodes"] for s in entry["seeds"] for p in s["curve"]})
             reach = None
             for e in points:
@@ -557,7 +557,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep-checkpoints", action="store_true", help="keep each run's checkpoints (large for the 135M model)")
     p.add_argument("--device", help="model.device for every run (e.g. cuda); default: recursa's auto")
     p.add_argument("--report", action="store_true", help="run nothing: tables and plots from the result files present")
-    p.add_argument("--force", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:

@@ -347,7 +347,7 @@ def child_recursa(spec: dict, model_dir: str, steps: int) -> dict:
 
 
 def trl_config_kwargs(spec: dict, steps: int, output_dir: str) -> dict:
-    """The `trl.GRPOConfig` arguments that reproduce recursa's step (see README)."""
+    """The `trl.GRPOConfig` arguments that reproduce recursa's step (see benchmarks/README.md)."""
     n = spec["prompts_per_step"] * spec["group_size"]
     return {
         "output_dir": output_dir,

@@ -35,23 +35,13 @@ from recursa.recipes.rsipo import (
 from recursa.rollout import render_prompt, rollout, rollout_episodes
 from recursa.skills import ParsedSkill, SkillLibrary
 
+from _rsipo_runs import FAST, VOLATILE, kill_in_update
+from _rsipo_runs import cfg as _cfg
+from _rsipo_runs import rows as _rows
+from _rsipo_runs import train_rows as _train_rows
+
 REPO = Path(__file__).resolve().parent.parent
 ABLATIONS = sorted((REPO / "examples" / "rsipo_ablations").glob("*.toml"))
-FAST = ["model.name=tiny-random", "run.threads=1", "train.lr=1e-3", "eval.n=0", "sampling.max_new_tokens=5"]
-VOLATILE = ("time/", "throughput/")  # wall-clock metrics differ between any two runs
-
-
-def _cfg(*sets, path=None):
-    return load_config(path, [*FAST, *sets], recipe="rsipo")
-
-
-def _rows(run: Path, name: str = "metrics") -> list[dict]:
-    path = run / f"{name}.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def _train_rows(run: Path) -> list[dict]:
-    return [r for r in _rows(run) if "reward/mean" in r]
 
 
 def _stable(row: dict) -> dict:
@@ -478,20 +468,9 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, monkeypatch, env):
                "skills.write_per_group=1", "run.checkpoint_every=2", "trust.prior_mean=0.75", "skills.buffer_size=12")
     straight = rsipo.train(cfg, tmp_path / "straight", log=lambda *_: None)
 
-    real_update, calls = rsipo.update, []
-
-    def crash_on_third(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return real_update(*args, **kwargs)
-
-    monkeypatch.setattr(rsipo, "update", crash_on_third)
     broken = tmp_path / "broken"
-    with pytest.raises(KeyboardInterrupt):
-        rsipo.train(cfg, broken, log=lambda *_: None)
+    kill_in_update(monkeypatch, cfg, broken)
     assert max(r["step"] for r in _rows(broken, "skills")) == 3  # step 3 got as far as writing skills
-    monkeypatch.setattr(rsipo, "update", real_update)
     rsipo.train(cfg, broken, resume=True, log=lambda *_: None)
 
     a, b = _train_rows(straight), _train_rows(broken)

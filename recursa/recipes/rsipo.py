@@ -63,7 +63,7 @@ Where this departs from the spec's letter, and why:
   the imitation gate. On twx:twc the walkthrough teacher's raw Delta was negative on average in
   every step (a hint lowers every action's log-prob) while often ranking a group's attempts as
   the outcome did; the raw sign test agreed in 66% of trials and the applied trust averaged 0.10.
-  Centred, the applied trust doubled (0.21) with no held-out difference (README, RSIPO section).
+  Centred, the applied trust doubled (0.21) with no held-out difference (docs/rsipo.md).
 * The update aggregates the action rows, the writing rows and the hinted rows in one call; their
   advantages are rescaled (`losses.part_scales`) so that the loss is L_policy + coef * L_writing +
   L_hinted, each averaged over its own tokens, and no part dilutes another's gradient.

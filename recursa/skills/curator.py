@@ -2,7 +2,7 @@
 
 A 135M policy writing skills from its own episodes mostly restates one action of the
 episode ("take makeup kit") or writes fragments ("and nothing else"); a library of those
-teaches nothing and crowds out the rules that would (README, RSIPO section). The curator
+teaches nothing and crowds out the rules that would (docs/rsipo.md). The curator
 applies three tested rules, each a pure function of texts and library rows:
 
 reject   before replay, a candidate that is a single action of its source episode
