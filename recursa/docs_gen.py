@@ -123,27 +123,41 @@ def _constraints(field: FieldInfo) -> str:
 
 
 def _model_of(ann: Any) -> type[BaseModel] | None:
-    """The section model behind an annotation (`X`, or `X | None` for an optional table)."""
+    """The section model behind an annotation: `X`, `X | None` (an optional table) or
+    `list[X]` (an array of tables, `[[key]]`)."""
     if isinstance(ann, type) and issubclass(ann, BaseModel):
         return ann
     if typing.get_origin(ann) in (typing.Union, types.UnionType):
         models = [a for a in typing.get_args(ann) if isinstance(a, type) and issubclass(a, BaseModel)]
         return models[0] if len(models) == 1 else None
+    if _is_array(ann):
+        return typing.get_args(ann)[0]
     return None
 
 
-def _sections(model: type[BaseModel], defaults: BaseModel, prefix: str = "") -> list[tuple[str, type[BaseModel], BaseModel | None, str]]:
+def _is_array(ann: Any) -> bool:
+    args = typing.get_args(ann)
+    return typing.get_origin(ann) is list and len(args) == 1 and isinstance(args[0], type) and issubclass(args[0], BaseModel)
+
+
+def _is_optional_table(ann: Any) -> bool:
+    return typing.get_origin(ann) in (typing.Union, types.UnionType) and _model_of(ann) is not None
+
+
+def _sections(model: type[BaseModel], defaults: BaseModel | None, prefix: str = "") -> list[tuple[str, type[BaseModel], BaseModel | None, str, bool]]:
     """(dotted section name, model, default instance or None when the table is absent by
-    default, the field's description) for every section and sub-section of a recipe."""
+    default, the field's description, whether it is an array of tables) for every section
+    and sub-section of a recipe."""
     found = []
     for name, field in model.model_fields.items():
         sub = _model_of(field.annotation)
         if sub is None:
             continue
-        value = getattr(defaults, name) if defaults is not None else None
+        array = _is_array(field.annotation)
+        value = getattr(defaults, name) if defaults is not None and not array else None
         key = f"{prefix}{name}"
-        found.append((key, sub, value, field.description or ""))
-        found.extend(_sections(sub, value if value is not None else sub(), key + "."))
+        found.append((key, sub, value, field.description or "", array))
+        found.extend(entry[:4] + (False,) for entry in _sections(sub, value, key + "."))
     return found
 
 
@@ -154,16 +168,24 @@ def _doc(model: type[BaseModel]) -> str:
     return " ".join(line.strip() for line in doc.strip().splitlines())
 
 
-def _table(model: type[BaseModel], defaults_by_recipe: dict[str, BaseModel]) -> list[str]:
+def _field_default(field: FieldInfo) -> str:
+    return "*required*" if field.is_required() else _code(field.get_default(call_default_factory=True))
+
+
+def _table(model: type[BaseModel], defaults_by_recipe: dict[str, BaseModel | None]) -> list[str]:
+    """One row per key of a section; `defaults_by_recipe` holds each recipe's default
+    instance of the section, or None where the table is absent by default."""
     lines = ["| key | type | default | description |", "|---|---|---|---|"]
     first = next(iter(defaults_by_recipe))
     for name, field in model.model_fields.items():
-        if _model_of(field.annotation) is not None and not (typing.get_origin(field.annotation) in (typing.Union, types.UnionType)):
-            continue  # a sub-section, listed on its own
-        if _model_of(field.annotation) is not None:
+        if _model_of(field.annotation) is not None and not _is_optional_table(field.annotation):
+            continue  # a sub-section or an array of tables, listed on its own
+        if _is_optional_table(field.annotation):
             default = "*none* (absent)"
+        elif defaults_by_recipe[first] is None:
+            default = _field_default(field)
         else:
-            values = {r: getattr(d, name) for r, d in defaults_by_recipe.items()}
+            values = {r: getattr(d, name) for r, d in defaults_by_recipe.items() if d is not None}
             default = _code(values[first])
             others = [f"{r}: {_code(v)}" for r, v in values.items() if r != first and v != values[first]]
             if others:
@@ -173,14 +195,21 @@ def _table(model: type[BaseModel], defaults_by_recipe: dict[str, BaseModel]) -> 
     return lines
 
 
+def _brackets(key: str, arrays: set[str]) -> str:
+    return f"[[{key}]]" if key in arrays else f"[{key}]"
+
+
 def render() -> str:
     """The whole reference page as Markdown."""
     recipe_defaults = {name: model() for name, model in RECIPES.items()}
     # section -> list of (model class, {recipe: default instance or None}, description)
     order: list[str] = []
+    arrays: set[str] = set()
     entries: dict[str, list[tuple[type[BaseModel], dict[str, BaseModel | None], str]]] = {}
     for recipe, model in RECIPES.items():
-        for key, sub, value, desc in _sections(model, recipe_defaults[recipe]):
+        for key, sub, value, desc, array in _sections(model, recipe_defaults[recipe]):
+            if array:
+                arrays.add(key)
             if key not in entries:
                 order.append(key)
                 entries[key] = []
@@ -193,20 +222,20 @@ def render() -> str:
 
     out = [_HEADER]
     out.append("## Sections by recipe\n")
-    out.append("| section | " + " | ".join(f"{RECIPE_TITLES[r]} (`{r}`)" for r in RECIPES) + " |")
+    out.append("| section | " + " | ".join(f"{RECIPE_TITLES.get(r, r)} (`{r}`)" for r in RECIPES) + " |")
     out.append("|---|" + "---|" * len(RECIPES))
     for key in order:
         if "." in key:
             continue
         have = {r for _, by_recipe, _ in entries[key] for r in by_recipe}
-        out.append(f"| [`[{key}]`](#{key.replace('.', '')}) | " + " | ".join("yes" if r in have else "" for r in RECIPES) + " |")
+        out.append(f"| [`{_brackets(key, arrays)}`](#{key.replace('.', '')}) | " + " | ".join("yes" if r in have else "" for r in RECIPES) + " |")
     out.append("")
     out.append("## `recipe`\n")
     out.append('The top-level key `recipe` names the recipe: `"grpo"` (the default when absent), `"rsipo"`, `"sft"` or `"rft"`.\n')
     for key in order:
         variants = entries[key]
         level = "##" if "." not in key else "###"
-        out.append(f"{level} `[{key}]` {{#{key.replace('.', '')}}}\n")
+        out.append(f"{level} `{_brackets(key, arrays)}` {{#{key.replace('.', '')}}}\n")
         for cls, by_recipe, desc in variants:
             recipes = ", ".join(f"`{r}`" for r in by_recipe)
             if len(variants) > 1 or len(by_recipe) < len(RECIPES):
@@ -214,12 +243,13 @@ def render() -> str:
             intro = _escape(_doc(cls))
             if desc and not intro:
                 intro = _escape(desc[0].upper() + desc[1:]) + "."
-            if all(v is None for v in by_recipe.values()):
+            if key in arrays:
+                intro += (" " if intro else "") + f"An array of tables: one `[[{key}]]` table per entry, none by default."
+            elif all(v is None for v in by_recipe.values()):
                 intro += (" " if intro else "") + f"This table is absent by default; writing a `[{key}]` table turns it on."
             if intro:
                 out.append(intro + "\n")
-            defaults = {r: (v if v is not None else cls()) for r, v in by_recipe.items()}
-            out.extend(_table(cls, defaults))
+            out.extend(_table(cls, by_recipe))
             out.append("")
     return "\n".join(out).rstrip() + "\n"
 

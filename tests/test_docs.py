@@ -45,7 +45,7 @@ def test_config_reference_lists_every_key():
             if name == "recipe":
                 continue
             section = prefix.rstrip(".")
-            start = page.index(f"`[{section}]` {{#")
+            start = page.index("{#" + section.replace(".", "") + "}")
             end = page.find("\n## ", start + 1)
             assert f"| `{name}` |" in page[start:end], f"{section}.{name} missing from its section"
 
@@ -57,6 +57,29 @@ def test_docs_gen_check_flags_a_stale_page(tmp_path, capsys):
     page.write_text(page.read_text().replace("adapter rank", "adapter size"))
     assert docs_gen.main(["--out", str(page), "--check"]) == 1
     assert "stale" in capsys.readouterr().err
+
+
+def test_config_reference_renders_arrays_of_tables_and_required_keys(monkeypatch):
+    from pydantic import BaseModel, ConfigDict, Field
+
+    class Reward(BaseModel):
+        """A reward function."""
+
+        model_config = ConfigDict(extra="forbid")
+        func: str = Field(description="module:function")
+        weight: float = Field(1.0, gt=0, description="its weight")
+
+    class Toy(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        recipe: str = "toy"
+        reward: list[Reward] = Field(default_factory=list, description="reward functions")
+
+    monkeypatch.setattr(docs_gen, "RECIPES", {"toy": Toy})
+    page = docs_gen.render()
+    assert "## `[[reward]]` {#reward}" in page and "| [`[[reward]]`](#reward) | yes |" in page
+    assert "one `[[reward]]` table per entry" in page
+    assert "| `func` | string | *required* | module:function |" in page
+    assert "| `weight` | float, > 0 | `1.0` | its weight |" in page
 
 
 def test_config_reference_escapes_markdown():
