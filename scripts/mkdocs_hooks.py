@@ -14,8 +14,6 @@ import posixpath
 import re
 from pathlib import Path
 
-from mkdocs.structure.files import File
-
 ROOT = Path(__file__).resolve().parent.parent
 # site page -> (source file, its directory in the repository)
 EXTERNAL_PAGES = {"index.md": ("README.md", ""), "benchmarks.md": ("benchmarks/README.md", "benchmarks")}
@@ -52,6 +50,8 @@ def rewrite_links(markdown: str, source_dir: str, site_path: str) -> str:
 
 
 def on_files(files, config):
+    from mkdocs.structure.files import File
+
     for page, (source, _) in EXTERNAL_PAGES.items():
         if files.get_file_from_path(page) is None:
             files.append(File.generated(config, page, content=(ROOT / source).read_text()))

@@ -220,6 +220,19 @@ def test_every_results_table_carries_its_command():
     assert tables >= 5
 
 
+def test_site_hooks_rewrite_repository_links():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("mkdocs_hooks", ROOT / "scripts" / "mkdocs_hooks.py")
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    readme = "[usage](docs/usage.md), [b](benchmarks/README.md#settings), [smoke](examples/smoke.toml), [x](https://example.org)"
+    assert hooks.rewrite_links(readme, "", "index.md") == (
+        "[usage](usage.md), [b](benchmarks.md#settings), smoke (`examples/smoke.toml`), [x](https://example.org)")
+    page = "[bench](../../benchmarks/README.md), [install](../install.md), [lora](lora.md#x)"
+    assert hooks.rewrite_links(page, "docs/guides", "guides/gpu.md") == "[bench](../benchmarks.md), [install](../install.md), [lora](lora.md#x)"
+
+
 def _links(path: Path) -> list[str]:
     text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
     return re.findall(r"(?<!!)\[[^\]]+\]\(([^)\s]+)\)", text)
