@@ -17,7 +17,7 @@ else
 TORCH_SPEC ?= $(shell ls /opt/wheels/torch-$(TORCH_VERSION)+cpu-*.whl >/dev/null 2>&1 && echo torch==$(TORCH_VERSION) || echo "torch==$(TORCH_VERSION) --index-url https://download.pytorch.org/whl/cpu")
 endif
 
-.PHONY: setup setup-vllm demo test test-fast test-vllm smoke lint clean
+.PHONY: setup setup-vllm demo test test-fast test-vllm smoke docs wheel-check lint clean
 
 setup: $(STAMP)
 
@@ -74,5 +74,16 @@ test-fast: setup
 smoke: setup
 	$(VENV)/bin/recursa train examples/smoke.toml --out runs/smoke --overwrite
 
+# The documentation site (site/): the configuration reference regenerated from
+# recursa/config.py must match the committed one, then a strict MkDocs build.
+docs: setup
+	$(PY) -c "import mkdocs, material, mkdocstrings" 2>/dev/null || $(PIP) install -q -e ".[docs]"
+	$(PY) -m recursa.docs_gen --check
+	$(VENV)/bin/mkdocs build --strict
+
+# Build the wheel, install it into a fresh venv (CPU torch) and train examples/smoke.toml from it.
+wheel-check:
+	PYTHON=$(PYTHON) TORCH_VERSION=$(TORCH_VERSION) .ci/wheel_check.sh
+
 clean:
-	rm -rf runs .pytest_cache
+	rm -rf runs .pytest_cache site

@@ -1,4 +1,4 @@
-"""Command line: `recursa train | eval | export | report | lineage | envs`.
+"""Command line: `recursa train | eval | export | report | lineage | envs | examples`.
 
 Bad input (an unknown config key, a wrong type, an unknown task, a missing model file)
 exits with status 2 and one line naming the problem and the fix; `--debug` shows the
@@ -314,6 +314,50 @@ def cmd_envs(args) -> int:
     return 0
 
 
+def _examples_source():
+    """The example configs: the `recursa.examples` data package of an installed wheel (or an
+    editable install), else the `examples/` directory of a source checkout."""
+    from importlib import resources
+
+    try:
+        return resources.files("recursa.examples")
+    except ModuleNotFoundError:
+        checkout = Path(__file__).resolve().parent.parent / "examples"
+        if checkout.is_dir():
+            return checkout
+    raise UserError("the example configs are missing from this installation: reinstall recursa from a wheel or a source checkout")
+
+
+def _example_files(root, rel: Path = Path()) -> list[tuple[Path, object]]:
+    """(relative path, traversable) of every .toml under `root`, sorted."""
+    found = []
+    for entry in root.iterdir():
+        if entry.is_dir() and not entry.name.startswith(("_", ".")):
+            found.extend(_example_files(entry, rel / entry.name))
+        elif entry.name.endswith(".toml"):
+            found.append((rel / entry.name, entry))
+    return sorted(found, key=lambda item: item[0])
+
+
+def cmd_examples(args) -> int:
+    files = _example_files(_examples_source())
+    if args.list:
+        for rel, _ in files:
+            print(rel.as_posix())
+        return 0
+    dest = Path(args.dir)
+    if dest.exists() and not dest.is_dir():
+        raise UserError(f"{dest} is a file: pass a directory to copy the examples into")
+    clashes = [rel for rel, src in files if (dest / rel).exists() and (dest / rel).read_bytes() != src.read_bytes()]
+    if clashes and not args.overwrite:
+        raise UserError(f"{dest / clashes[0]} exists and differs from recursa's example ({len(clashes)} such files): pass --overwrite or another DIR")
+    for rel, src in files:
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        (dest / rel).write_bytes(src.read_bytes())
+    print(f"copied {len(files)} example configs to {dest}/; try: recursa train {(dest / 'smoke.toml').as_posix()} --out runs/smoke")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="recursa", description="Recursive self-improving policy optimization for language-model agents.")
     p.add_argument("--debug", action="store_true", help="show tracebacks for user errors")
@@ -372,6 +416,12 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("envs", help="list the available tasks")
     v.add_argument("--all", action="store_true", help="also list every reasoning-gym dataset")
     v.set_defaults(func=cmd_envs)
+
+    xs = sub.add_parser("examples", help="copy the example configs (shipped inside the package) into a directory")
+    xs.add_argument("dir", nargs="?", default="examples", help="where to copy them (default: ./examples)")
+    xs.add_argument("--list", action="store_true", help="only list the example configs")
+    xs.add_argument("--overwrite", action="store_true", help="replace files in DIR that differ from the examples")
+    xs.set_defaults(func=cmd_examples)
     return p
 
 

@@ -44,8 +44,8 @@ def step_advantages(
 ) -> list[list[float]]:
     """Per-step advantages for E episodes.
 
-    groups[e]: the episode's group id; anchors[e][t], rewards[e][t]: the anchor key and
-    reward of step t of episode e. Returns A_S[e][t].
+    `groups[e]`: the episode's group id; `anchors[e][t]`, `rewards[e][t]`: the anchor key and
+    reward of step t of episode e. Returns `A_S[e][t]`.
     """
     if norm not in ("std", "none"):
         raise ValueError(f"norm must be 'std' or 'none', got {norm!r}")
