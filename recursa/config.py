@@ -256,7 +256,7 @@ class LogConfig(_Section):
     report_to: list[Literal["tensorboard", "wandb", "trackio", "mlflow"]] = Field(
         default_factory=list,
         description="trackers: tensorboard (RUN_DIR/tb), wandb (offline unless WANDB_MODE says otherwise; RUN_DIR/wandb), trackio (local store), "
-        "mlflow (local file store RUN_DIR/mlruns unless MLFLOW_TRACKING_URI is set); pip install 'recursa[track]'",
+        "mlflow (local store RUN_DIR/mlflow.db unless MLFLOW_TRACKING_URI is set); pip install 'recursa[track]'",
     )
     project: str = Field("recursa", description="the project / experiment name in the trackers")
     run_name: str | None = Field(None, description="the run's name in the trackers (None: the run directory's name)")

@@ -16,7 +16,7 @@ RUN_DIR/
       state.json       step, optimizer steps, a recipe's own state
   incumbents/step_000008/    gated runs: accepted weights (the same HF layout) + optimizer.pt
   ledger.sqlite        evaluations and checkpoints (the source of truth for what was kept)
-  tb/, wandb/, mlruns/ live trackers' files (log.report_to; recursa/tracking.py)
+  tb/, wandb/, mlflow.db live trackers' files (log.report_to; recursa/tracking.py)
   report.md, plots/    written by `recursa report`
 ```
 

@@ -11,8 +11,9 @@ an empty list and the loop never branches on it.
                  (`wandb sync RUN_DIR/wandb/offline-run-*` uploads it later)
     trackio      a Trackio run in its local store ($TRACKIO_DIR, default ~/.cache/huggingface/trackio);
                  `trackio show` opens the dashboard
-    mlflow       an MLflow run in the local file store RUN_DIR/mlruns, or $MLFLOW_TRACKING_URI when set
-                 (`mlflow ui --backend-store-uri RUN_DIR/mlruns`)
+    mlflow       an MLflow run in a local store, the SQLite file RUN_DIR/mlflow.db with artifacts in
+                 RUN_DIR/mlartifacts (MLflow 3 keeps its plain-file store in maintenance mode), or
+                 $MLFLOW_TRACKING_URI when set (`mlflow ui --backend-store-uri sqlite:///RUN_DIR/mlflow.db`)
 
 Each (re)start of `recursa train` is one tracker run, named `log.run_name` (default: the
 run directory's name); a resumed run's tracker run starts at the checkpoint's step.
@@ -108,7 +109,7 @@ class TrackioTracker:
 
     def __init__(self, run_dir: Path, project: str, run_name: str, config: dict):
         self.trackio = _need("trackio", "trackio")
-        self.run = self.trackio.init(project=project, name=run_name, config=config, embed=False)
+        self.run = self.trackio.init(project=project, name=run_name, config=config, embed=False, auto_log_cpu=False, auto_log_gpu=False)
 
     def log(self, step: int, values: dict[str, float]) -> None:
         self.run.log(values, step=step)
@@ -130,10 +131,11 @@ class MLflowTracker:
         _need("mlflow", "mlflow")
         from mlflow.tracking import MlflowClient
 
-        uri = os.environ.get("MLFLOW_TRACKING_URI") or (run_dir / "mlruns").resolve().as_uri()
+        uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"
         self.client = MlflowClient(tracking_uri=uri)
         experiment = self.client.get_experiment_by_name(project)
-        experiment_id = experiment.experiment_id if experiment is not None else self.client.create_experiment(project)
+        experiment_id = (experiment.experiment_id if experiment is not None
+                         else self.client.create_experiment(project, artifact_location=(run_dir / "mlartifacts").resolve().as_uri()))
         self.run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id
         from mlflow.entities import Param
 
@@ -172,7 +174,12 @@ class Trackers:
             for name in dict.fromkeys(names):
                 if name not in _CLASSES:
                     raise UserError(f"log.report_to: unknown tracker {name!r}; choose from {', '.join(TRACKERS)}")
-                opened.append(_CLASSES[name](Path(run_dir), project, run_name or Path(run_dir).resolve().name, config or {}))
+                try:
+                    opened.append(_CLASSES[name](Path(run_dir), project, run_name or Path(run_dir).resolve().name, config or {}))
+                except UserError:
+                    raise
+                except Exception as exc:
+                    raise UserError(f"log.report_to: {name} did not start ({type(exc).__name__}: {' '.join(str(exc).split())[:200]})") from None
         except BaseException:
             for t in opened:
                 t.close()
