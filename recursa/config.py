@@ -817,7 +817,15 @@ def describe(model: type[BaseModel] = GRPOConfig, prefix: str = "", defaults: Ba
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             lines.extend(describe(ann, key + ".", default))
             continue
+        item = getattr(ann, "__args__", (None,))[0] if getattr(ann, "__origin__", None) is list else None
+        if isinstance(item, type) and issubclass(item, BaseModel):  # a list of tables, e.g. [[reward]]
+            lines.append(f"{key} = {default!r}  # {field.description or ''}")
+            lines.extend(describe(item, f"{key}[].", None))
+            continue
         if isinstance(default, BaseModel):
             default = "{...}"
+        if field.is_required() and defaults is None:
+            lines.append(f"{key} = (required)  # {field.description or ''}")
+            continue
         lines.append(f"{key} = {default!r}  # {field.description or ''}")
     return lines

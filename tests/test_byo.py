@@ -353,3 +353,10 @@ weight = 0.5
         assert s["reward"] == pytest.approx(env.step(s["completion"]).reward + 0.5 * max(0.0, 1 - len(s["completion"]) / 40), abs=1e-6)
     after = json.loads((run / "eval" / "after.json").read_text())
     assert after["env"] == "byo-qa" and after["n"] == 4
+
+
+def test_a_gate_larger_than_the_gate_rows_is_refused(tmp_path, capsys):
+    cfg = _write(tmp_path / "c.toml", DATA_TOML + "\n[gate]\nmode = 'gate'\nn = 500\n")
+    assert main(["train", str(cfg), "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "gate.n = 500, but the task has" in err and "\n" not in err

@@ -306,9 +306,9 @@ def import_object(target: str, what: str):
     try:
         obj = importlib.import_module(module_name)
     except ImportError as exc:
-        raise UserError(f"{what} = {target!r}: cannot import module {module_name!r} ({exc}); install the package or put it on PYTHONPATH") from None
+        raise UserError(f"{what} = {target!r}: cannot import module {module_name!r} ({one_line(exc)}); install the package or put it on PYTHONPATH") from None
     except Exception as exc:  # the module's own code failed while importing
-        raise UserError(f"{what} = {target!r}: importing {module_name!r} failed: {type(exc).__name__}: {exc}") from None
+        raise UserError(f"{what} = {target!r}: importing {module_name!r} failed: {type(exc).__name__}: {one_line(exc)}") from None
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise UserError(f"{what} = {target!r}: module {module_name!r} has no attribute {attr!r}")
@@ -332,13 +332,12 @@ def resolve_factory(spec: str) -> Callable[..., "Env"] | None:
             return None
         factory = import_object(target, f"env.name = {spec!r}: entry point")
     if not callable(factory):
-        raise UserError(f"env.name = {spec!r} names {type(factory).__name__} object, not a function or class that builds an env")
+        raise UserError(f"env.name = {spec!r} names a {type(factory).__name__} object, not a function or class that builds an env")
     return factory
 
 
 _ENV_METHODS = ("reset", "step")
 _AGENT_METHODS = ("admissible_actions", "walkthrough")
-_AGENT_ATTRS = ("task", "max_steps", "invalid_penalty")
 
 
 def protocol_gaps(env: Any) -> list[str]:
@@ -376,9 +375,11 @@ def _build(spec: str, factory: Callable[..., "Env"], kwargs: dict) -> "Env":
     except UserError:
         raise
     except TypeError as exc:
-        raise UserError(f"env.name = {spec!r}: the factory does not accept env.kwargs {sorted(kwargs)} ({exc})") from None
+        if kwargs:
+            raise UserError(f"env.name = {spec!r}: the factory does not accept env.kwargs {sorted(kwargs)} ({one_line(exc)})") from None
+        raise UserError(f"env.name = {spec!r}: the factory raised TypeError: {one_line(exc)}") from None
     except Exception as exc:
-        raise UserError(f"env.name = {spec!r}: the factory raised {type(exc).__name__}: {exc}") from None
+        raise UserError(f"env.name = {spec!r}: the factory raised {type(exc).__name__}: {one_line(exc)}") from None
     gaps = protocol_gaps(env)
     if gaps:
         raise UserError(
