@@ -81,7 +81,11 @@ def cmd_train(args) -> int:
         ddp.serve(learner)  # never touches the run directory
         learner.close()
         return 0
-    if not args.resume:
+    resume = bool(args.resume)
+    if not resume and cfg.run.resume == "auto" and not args.overwrite and (out / "config.toml").exists():
+        resume = True  # run.resume = "auto": continue the run already there
+        print(f"run.resume = 'auto': continuing the run in {out}")
+    if not resume:
         if (out / "metrics.jsonl").exists() and not args.overwrite:
             raise UserError(f"{out} already holds a run: continue it with --resume {out}, choose another --out, or pass --overwrite")
         if args.overwrite and out.exists():
@@ -91,7 +95,7 @@ def cmd_train(args) -> int:
     console = _console()
     progress = _Progress()
     try:
-        _recipe_train(cfg.recipe)(cfg, out, resume=bool(args.resume), progress=progress, log=console.print)
+        _recipe_train(cfg.recipe)(cfg, out, resume=resume, progress=progress, log=console.print)
     finally:
         progress.stop()
     if learner is not None:  # on an error instead, torchrun stops the workers with rank 0
@@ -191,9 +195,12 @@ def cmd_eval(args) -> int:
 
     cfg, model_cfg, weights, base, env_name, env_kwargs, max_new = _eval_source(args)
     torch.set_num_threads(cfg.run.threads)
-    pool = EnvPool(lambda: make_env(env_name, **env_kwargs))
+    from recursa.envs.dataset import task_factory, uses_dataset
+    from recursa.recipes.common import eval_items
+
+    pool = EnvPool(task_factory(cfg) if uses_dataset(cfg) and not args.env else lambda: make_env(env_name, **env_kwargs))
     pool.take(1)  # fail fast on a bad task spec
-    n = args.n if args.n is not None else cfg.eval.n
+    n = eval_items(pool, args.split, args.n if args.n is not None else cfg.eval.n)
     hints, skills_note = _eval_hints(args, cfg, weights, env_name, pool, n)
     progress = _Progress()
     try:

@@ -67,8 +67,70 @@ class ModelConfig(_Section):
 
 
 class EnvConfig(_Section):
-    name: str = Field("arithmetic", description="task spec: 'arithmetic' or 'rg:<reasoning-gym dataset>' (see `recursa envs`)")
-    kwargs: dict[str, Any] = Field(default_factory=dict, description="task options, e.g. {difficulty = 0}")
+    name: str = Field(
+        "arithmetic",
+        description="task spec: a built-in ('arithmetic', 'household', 'rg:<reasoning-gym dataset>', 'twx:<game>', 'textworld:<generator>'), "
+        "your own factory 'pkg.module:make_env' (returns an object following recursa's Env or AgentEnv protocol), or a name an installed "
+        "package registers under the `recursa.envs` entry-point group (see `recursa envs`)",
+    )
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="task options, e.g. {difficulty = 0}; your own factory is called with them as keywords")
+
+
+class RewardEntry(_Section):
+    """One `[[reward]]` entry (recursa/rewards.py): the training reward is the weighted sum of the entries."""
+
+    func: str = Field(
+        ...,
+        description="'pkg.module:function' called as fn(prompts, completions, **item_fields) -> list[float | None] (None: does not apply), "
+        "or 'env' for the env's own reward (included with weight 1 unless an 'env' entry sets its weight)",
+    )
+    weight: float = Field(1.0, description="w_k in R = sum_k w_k r_k")
+    name: str | None = Field(None, description="name in the metrics, reward/<name>/mean (default: the function's name; 'env' for the env's reward)")
+
+    @field_validator("func")
+    @classmethod
+    def _func(cls, value: str) -> str:
+        value = value.strip()
+        if value != "env" and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", value):
+            raise ValueError("must be 'env' or 'package.module:function'")
+        return value
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"[\w.\-]+", value):
+            raise ValueError("must be letters, digits, '_', '-' or '.' (it becomes a metric key)")
+        return value
+
+
+class DatasetConfig(_Section):
+    """Tasks from your own rows (recursa/envs/dataset.py): each row is a single-turn item, split once into train / gate / test."""
+
+    source: Literal["none", "jsonl", "parquet", "hf"] = Field(
+        "none",
+        description="none: tasks come from env.name; jsonl: a JSONL file; parquet: a Parquet file (pip install 'recursa[data]'); "
+        "hf: a local datasets directory (save_to_disk) or local json/jsonl/parquet/csv files read with `datasets` (never a hub download)",
+    )
+    path: str | None = Field(None, description="the data file or directory")
+    prompt_key: str | None = Field(None, description="column holding the prompt text (None: 'prompt')")
+    answer_key: str = Field("answer", description="column holding the reference answer (scorers 'exact' and 'last_number'; SFT's demonstrations)")
+    scorer: str = Field(
+        "last_number",
+        description="how a reply is scored: 'exact' (the reply, or its last <answer> tag, equals the answer), 'last_number' (its last number equals the "
+        "answer's), or a reward function 'pkg.module:function' called as fn([prompt], [reply], **row) -> [score]",
+    )
+    success_at: float = Field(1.0, description="a reward-function scorer's item counts as solved when its score is at least this")
+    split_key: str | None = Field(None, description="column naming each row's split ('train', 'gate' or 'test'; 'validation' = gate); None: split by a hash of the prompt")
+    gate_frac: float = Field(0.1, ge=0, lt=1, description="without split_key: share of rows (by prompt hash) in the gate split")
+    test_frac: float = Field(0.1, ge=0, lt=1, description="without split_key: share of rows (by prompt hash) in the test split")
+
+    @model_validator(mode="after")
+    def _check_dataset(self) -> "DatasetConfig":
+        if self.source in ("jsonl", "parquet", "hf") and not self.path:
+            raise ValueError(f"data.source = {self.source!r} needs data.path")
+        if self.gate_frac + self.test_frac >= 1:
+            raise ValueError("data.gate_frac + data.test_frac must be < 1: some rows must be left for training")
+        return self
 
 
 class SamplingConfig(_Section):
@@ -174,7 +236,31 @@ class RunConfig(_Section):
     checkpoint_every: int = Field(0, ge=0, description="save a checkpoint every N steps (GRPO steps, SFT epochs, expert-iteration rounds; 0 = only at the end)")
     log_samples: int = Field(4, ge=0, description="sample completions written to samples.jsonl per step")
     threads: int = Field(2, gt=0, description="torch CPU threads")
-    tensorboard: bool = Field(False, description="also write TensorBoard event files (needs tensorboard)")
+    tensorboard: bool = Field(False, description="same as adding 'tensorboard' to log.report_to (kept for older configs)")
+    keep_last: int | None = Field(
+        None, gt=0,
+        description="keep only the K newest checkpoints under RUN_DIR/checkpoints (None: keep all); gate incumbents (RUN_DIR/incumbents) and any "
+        "checkpoint the ledger marks as accepted are never deleted",
+    )
+    resume: Literal["never", "auto"] = Field(
+        "never",
+        description="auto: `recursa train` continues the run already in the output directory (from its last checkpoint, as --resume does) "
+        "instead of refusing to overwrite it; never: an existing run needs --resume or --overwrite",
+    )
+
+
+class LogConfig(_Section):
+    """Live tracking (recursa/tracking.py): metrics.jsonl is always written and stays the source of truth; every tracker
+    listed here receives the same keys at the same steps."""
+
+    report_to: list[Literal["tensorboard", "wandb", "trackio", "mlflow"]] = Field(
+        default_factory=list,
+        description="trackers: tensorboard (RUN_DIR/tb), wandb (offline unless WANDB_MODE says otherwise; RUN_DIR/wandb), trackio (local store), "
+        "mlflow (local store RUN_DIR/mlflow.db unless MLFLOW_TRACKING_URI is set); pip install 'recursa[track]'",
+    )
+    project: str = Field("recursa", description="the project / experiment name in the trackers")
+    run_name: str | None = Field(None, description="the run's name in the trackers (None: the run directory's name)")
+    log_completions: bool = Field(False, description="also send each step's sample completions (as in samples.jsonl) to the trackers as a table or text")
 
 
 class GateSettings(_Section):
@@ -294,6 +380,25 @@ class RecipeBase(_Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     run: RunConfig = Field(default_factory=RunConfig)
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    log: LogConfig = Field(default_factory=LogConfig)
+    data: DatasetConfig = Field(default_factory=DatasetConfig)
+
+    @model_validator(mode="after")
+    def _check_task_source(self) -> "RecipeBase":
+        from recursa.envs.dataset import uses_dataset
+
+        if uses_dataset(self) and "name" in self.env.model_fields_set:
+            raise ValueError(f"env.name = {self.env.name!r} and data.source = {self.data.source!r} both name the task: keep one")
+        return self
+
+
+def _check_rewards(cfg) -> None:
+    names = [e.name or e.func.rsplit(":", 1)[-1].rsplit(".", 1)[-1] for e in cfg.reward]
+    dup = next((n for n in names if names.count(n) > 1), None)
+    if dup is not None:
+        raise ValueError(f"two [[reward]] entries are named {dup!r}: give each a distinct name")
+    if sum(e.func == "env" for e in cfg.reward) > 1:
+        raise ValueError("more than one [[reward]] entry has func = 'env': keep one")
 
 
 def _check_test_looks(cfg, steps: int, extra_after: int = 0) -> None:
@@ -318,6 +423,7 @@ class GRPOConfig(RecipeBase):
     train: TrainConfig = Field(default_factory=TrainConfig)
     gate: GateSettings = Field(default_factory=GateSettings)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    reward: list[RewardEntry] = Field(default_factory=list, description="[[reward]] entries: the training reward is their weighted sum (none: the env's reward)")
 
     @model_validator(mode="after")
     def _check(self) -> "GRPOConfig":
@@ -335,6 +441,7 @@ class GRPOConfig(RecipeBase):
         if self.recipe == "grpo" and self.gate.skills_every:
             raise ValueError("gate.skills_every gates a skill library, which only the rsipo recipe has: set gate.skills_every = 0 or recipe = 'rsipo'")
         _check_distributed(self)
+        _check_rewards(self)
         return self
 
 
@@ -491,6 +598,7 @@ class RSIPOConfig(RecipeBase):
     train: TrainConfig = Field(default_factory=TrainConfig)
     gate: GateSettings = Field(default_factory=GateSettings)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    reward: list[RewardEntry] = Field(default_factory=list, description="[[reward]] entries: the training reward is their weighted sum (none: the env's reward)")
 
     @model_validator(mode="after")
     def _check(self) -> "RSIPOConfig":
@@ -527,21 +635,23 @@ class RSIPOConfig(RecipeBase):
         return self
 
 
-class DataConfig(_Section):
+class DataConfig(DatasetConfig):
     """Demonstrations for SFT (built by `recursa/demos.py`, training seeds only)."""
 
-    source: Literal["auto", "walkthrough", "reference", "jsonl"] = Field(
+    source: Literal["auto", "walkthrough", "reference", "jsonl", "parquet", "hf"] = Field(
         "auto",
-        description="walkthrough: a game's oracle play; reference: a single-turn task's reference answer; jsonl: chat transcripts in data.path; auto: walkthrough for games, reference otherwise",
+        description="walkthrough: a game's oracle play; reference: a single-turn task's reference answer; jsonl: with data.prompt_key, rows of "
+        "a JSONL dataset (their answer_key column is the demonstration), without it chat transcripts in data.path; parquet, hf: rows of a "
+        "dataset as for the RL recipes; auto: walkthrough for games, reference otherwise",
     )
-    n: int = Field(256, ge=0, description="training items to draw demonstrations from (walkthrough, reference)")
+    n: int = Field(256, ge=0, description="training items to draw demonstrations from (walkthrough, reference, and dataset rows: at most the train rows)")
     start: int = Field(0, ge=0, description="index of the first training item (items start .. start + n - 1 of the train split)")
-    path: str | None = Field(None, description="JSONL file of {\"messages\": [...], \"seed\": optional} for source = 'jsonl'")
+    path: str | None = Field(None, description="the dataset (source = 'jsonl' with prompt_key, 'parquet', 'hf'), or a JSONL file of {\"messages\": [...], \"seed\": optional} (source = 'jsonl' without prompt_key)")
 
     @model_validator(mode="after")
     def _check(self) -> "DataConfig":
         if self.source == "jsonl" and not self.path:
-            raise ValueError("data.source = 'jsonl' needs data.path, a JSONL file of chat transcripts")
+            raise ValueError("data.source = 'jsonl' needs data.path, a JSONL file of chat transcripts (or of rows, with data.prompt_key)")
         return self
 
 
@@ -629,8 +739,30 @@ def _format_validation(exc: ValidationError, source: str) -> str:
     return f"{source}: {loc}: {msg}{got}; fix it in the file or with --set {loc}=...{more}"
 
 
-def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = (), recipe: str | None = None) -> RecipeConfig:
-    """Read a TOML config, apply --set overrides, validate once."""
+def check_plugins(cfg) -> None:
+    """The user code a config names, checked at load: an env factory ('pkg.module:attr' or a
+    `recursa.envs` entry point) imports and builds an env that follows the protocol, and every
+    [[reward]] function imports; else a one-line UserError naming what is missing."""
+    from recursa.envs.base import check_env, import_object
+    from recursa.envs.dataset import uses_dataset
+
+    if not uses_dataset(cfg):
+        check_env(cfg.env.name, cfg.env.kwargs)
+    for entry in getattr(cfg, "reward", []):
+        if entry.func != "env" and not callable(import_object(entry.func, "reward.func")):
+            raise UserError(f"reward.func = {entry.func!r} is not a function")
+    if uses_dataset(cfg) and cfg.data.scorer not in ("exact", "last_number"):
+        from recursa.envs.base import is_factory_spec
+
+        if not is_factory_spec(cfg.data.scorer):
+            raise UserError(f"data.scorer = {cfg.data.scorer!r}: choose 'exact', 'last_number' or a reward function 'pkg.module:function'")
+        import_object(cfg.data.scorer, "data.scorer")
+
+
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = (), recipe: str | None = None, check: bool = True) -> RecipeConfig:
+    """Read a TOML config, apply --set overrides, validate once. With `check`, the user code
+    it names (env factory, reward functions) is imported and checked too (`check_plugins`);
+    reading another run's config only for its settings (a warm start, an export) skips that."""
     data: dict[str, Any] = {}
     source = "config"
     if path is not None:
@@ -650,9 +782,12 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     if recipe not in RECIPES:
         raise UserError(f"{source}: unknown recipe {recipe!r}; choose one of {sorted(RECIPES)}")
     try:
-        return RECIPES[recipe].model_validate(data)
+        cfg = RECIPES[recipe].model_validate(data)
     except ValidationError as exc:
         raise UserError(_format_validation(exc, source)) from None
+    if check:
+        check_plugins(cfg)
+    return cfg
 
 
 def _drop_none(obj: Any) -> Any:
@@ -682,7 +817,15 @@ def describe(model: type[BaseModel] = GRPOConfig, prefix: str = "", defaults: Ba
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             lines.extend(describe(ann, key + ".", default))
             continue
+        item = getattr(ann, "__args__", (None,))[0] if getattr(ann, "__origin__", None) is list else None
+        if isinstance(item, type) and issubclass(item, BaseModel):  # a list of tables, e.g. [[reward]]
+            lines.append(f"{key} = {default!r}  # {field.description or ''}")
+            lines.extend(describe(item, f"{key}[].", None))
+            continue
         if isinstance(default, BaseModel):
             default = "{...}"
+        if field.is_required() and defaults is None:
+            lines.append(f"{key} = (required)  # {field.description or ''}")
+            continue
         lines.append(f"{key} = {default!r}  # {field.description or ''}")
     return lines

@@ -68,7 +68,7 @@ def load_run_policy(run_dir: Path, checkpoint: str = "last", device: str = "cpu"
     from recursa.models import load_policy
 
     ckpt = run_checkpoint(run_dir, checkpoint)
-    cfg = load_config(Path(run_dir) / "config.toml")
+    cfg = load_config(Path(run_dir) / "config.toml", check=False)
     model_cfg = cfg.model.model_copy(update={"device": device})
     return cfg, ckpt, load_policy(model_cfg, weights_dir=ckpt, base_dir=run_base_dir(cfg))
 

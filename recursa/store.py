@@ -16,12 +16,14 @@ RUN_DIR/
       state.json       step, optimizer steps, a recipe's own state
   incumbents/step_000008/    gated runs: accepted weights (the same HF layout) + optimizer.pt
   ledger.sqlite        evaluations and checkpoints (the source of truth for what was kept)
+  tb/, wandb/, mlflow.db live trackers' files (log.report_to; recursa/tracking.py)
   report.md, plots/    written by `recursa report`
 ```
 
 Step numbers count completed training steps: metrics of the first step carry step 1,
 an evaluation before training carries step 0, and a checkpoint at step k holds the state
-after k steps. Resuming from step k drops every log line with a larger step, so a resumed
+after k steps. With `run.keep_last = K` only the K newest checkpoints stay (incumbents and
+what the ledger accepted are never deleted). Resuming from step k drops every log line with a larger step, so a resumed
 run's logs equal an uninterrupted run's.
 
 Checkpoints written before they were Hugging Face directories (a bare model.safetensors
@@ -43,6 +45,7 @@ from pathlib import Path
 import torch
 
 from recursa.errors import UserError
+from recursa.tracking import Trackers
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS evaluations (
@@ -55,33 +58,11 @@ CREATE TABLE IF NOT EXISTS checkpoints (
 """
 
 
-class NullLogger:
-    def log(self, step: int, metrics: dict) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-class TensorBoardLogger:
-    def __init__(self, directory: Path):
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            raise UserError("run.tensorboard = true needs the tensorboard package: pip install tensorboard") from None
-        self.writer = SummaryWriter(str(directory))
-
-    def log(self, step: int, metrics: dict) -> None:
-        for k, v in metrics.items():
-            if isinstance(v, (int, float)) and k != "step":
-                self.writer.add_scalar(k, v, step)
-
-    def close(self) -> None:
-        self.writer.close()
-
-
 class RunStore:
-    def __init__(self, path: Path, tensorboard: bool = False):
+    def __init__(self, path: Path, trackers: Trackers | None = None, keep_last: int | None = None):
+        """`trackers`: live trackers that receive every metrics line after metrics.jsonl
+        (recursa.tracking; none by default). `keep_last`: keep only the K newest checkpoints
+        (`prune_checkpoints`)."""
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
         (self.path / "eval").mkdir(exist_ok=True)
@@ -89,19 +70,21 @@ class RunStore:
         self.samples_path = self.path / "samples.jsonl"
         self.db = sqlite3.connect(self.path / "ledger.sqlite")
         self.db.executescript(_SCHEMA)
-        self.logger = TensorBoardLogger(self.path / "tb") if tensorboard else NullLogger()
+        self.trackers = trackers if trackers is not None else Trackers([])
+        self.keep_last = keep_last
 
     # ---- logs -------------------------------------------------------------------
     def log_metrics(self, step: int, metrics: dict) -> None:
         row = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(row) + "\n")
-        self.logger.log(step, metrics)
+        self.trackers.log(step, row)  # the same keys and values as the line just written
 
     def log_samples(self, step: int, samples: list[dict]) -> None:
         with self.samples_path.open("a") as f:
             for s in samples:
                 f.write(json.dumps({"step": step, **s}) + "\n")
+        self.trackers.log_samples(step, samples)
 
     def append_jsonl(self, name: str, step: int, records: list[dict]) -> None:
         """Append records, each tagged with `step`, to RUN_DIR/<name>.jsonl (a recipe's own
@@ -143,7 +126,38 @@ class RunStore:
         write_weights(final, policy, optimizer, {"step": step, **state})
         self.db.execute("INSERT OR REPLACE INTO checkpoints (step, path, created) VALUES (?,?,?)", (step, str(final.relative_to(self.path)), time.time()))
         self.db.commit()
+        if self.keep_last:
+            self.prune_checkpoints(self.keep_last)
         return final
+
+    def protected_dirs(self) -> set[Path]:
+        """Directories the ledger marks as accepted (lineage candidates with a weights `dir`):
+        never pruned. Gate incumbents live under RUN_DIR/incumbents, which pruning never touches."""
+        has_lineage = self.db.execute("SELECT name FROM sqlite_master WHERE type = 'table' AND name = 'candidates'").fetchone()
+        if not has_lineage:
+            return set()
+        out = set()
+        for (payload,) in self.db.execute("SELECT payload_json FROM candidates WHERE accepted = 1"):
+            d = json.loads(payload).get("dir") if payload else None
+            if d:
+                out.add((self.path / d).resolve())
+        return out
+
+    def prune_checkpoints(self, keep: int) -> list[Path]:
+        """Delete all but the `keep` newest finished checkpoints (run.keep_last), sparing every
+        directory the ledger marks as accepted; returns the deleted ones. Unfinished
+        (*.tmp) directories are left to `write_weights`, which replaces them."""
+        done = finished_checkpoints(self.path)
+        protected = self.protected_dirs()
+        deleted = []
+        for ckpt in done[: max(len(done) - keep, 0)]:
+            if ckpt.resolve() in protected:
+                continue
+            shutil.rmtree(ckpt)
+            self.db.execute("DELETE FROM checkpoints WHERE path = ?", (str(ckpt.relative_to(self.path)),))
+            deleted.append(ckpt)
+        self.db.commit()
+        return deleted
 
     def latest_checkpoint(self) -> Path | None:
         done = finished_checkpoints(self.path)
@@ -161,7 +175,7 @@ class RunStore:
         return state
 
     def close(self) -> None:
-        self.logger.close()
+        self.trackers.close()
         self.db.close()
 
 

@@ -15,7 +15,8 @@ import torch
 from recursa.config import dump_config
 from recursa.distributed import ddp
 from recursa.distributed.ddp import SINGLE, DataParallel, SingleProcess
-from recursa.envs import EnvPool, make_env
+from recursa.envs import EnvPool
+from recursa.envs.dataset import task_factory
 from recursa.envs.base import split_seeds
 from recursa.errors import UserError
 from recursa.evaluate import EvalResult, evaluate
@@ -23,6 +24,7 @@ from recursa.generation import sequence_logprobs
 from recursa.models import Policy, count_parameters, load_policy, resolve_device
 from recursa.rollout import is_agent_env
 from recursa.store import RunStore, finished_checkpoints
+from recursa.tracking import open_trackers
 from recursa.trajectory import TrainBatch
 
 Progress = Callable[[str, int, int], None]  # (phase, done, total)
@@ -68,7 +70,7 @@ def init_weights_dir(cfg) -> Path | None:
     run = Path(cfg.init.from_run)
     if not (run / "config.toml").exists():
         raise UserError(f"init.from_run = {str(run)!r}: no run there (no config.toml); train it first, e.g. recursa train examples/twx_twc_sft.toml")
-    source = load_config(run / "config.toml")
+    source = load_config(run / "config.toml", check=False)
     if source.model.name != cfg.model.name:
         raise UserError(f"init.from_run = {str(run)!r} trained model {source.model.name!r}, but this config uses {cfg.model.name!r}: set model.name to match")
     done = finished_checkpoints(run)
@@ -118,13 +120,14 @@ def open_run(cfg, out: Path, resume: bool, log: Callable[[str], None], kl_refere
     resolve_device(cfg.model.device)  # a GPU asked for and missing fails here, before the run directory is touched
     torch.set_num_threads(cfg.run.threads)
     torch.manual_seed(cfg.train.seed)
-    pool = EnvPool(lambda: make_env(cfg.env.name, **cfg.env.kwargs))
+    pool = EnvPool(task_factory(cfg))  # env.name, or the [data] rows as a DatasetEnv
     multi_turn = is_agent_env(pool.take(1)[0])
     init_dir = init_weights_dir(cfg)
-    store = RunStore(out, tensorboard=cfg.run.tensorboard)
-    ckpt = store.latest_checkpoint() if resume else None
+    out.mkdir(parents=True, exist_ok=True)
     if not resume:
         (out / "config.toml").write_text(dump_config(cfg))
+    store = RunStore(out, open_trackers(cfg, out), keep_last=cfg.run.keep_last)
+    ckpt = store.latest_checkpoint() if resume else None
     policy = load_policy(cfg.model, weights_dir=ckpt, base_dir=init_dir)
     if kl_reference:
         if ckpt is not None and not policy.is_lora:
@@ -165,6 +168,13 @@ def eval_before(run: OpenedRun, cfg, progress: Progress | None, log: Callable[[s
         log(f"before: success {r.success_rate:.3f} [{r.ci95[0]:.3f}, {r.ci95[1]:.3f}] on {r.n} {cfg.eval.split} items")
 
 
+def eval_items(pool: EnvPool, split: str, n: int) -> int:
+    """n, or fewer when the task has fewer items in `split` (a dataset's rows, `num_items`):
+    an evaluation never scores the same row twice."""
+    num_items = getattr(pool.take(1)[0], "num_items", None)
+    return min(n, num_items(split)) if callable(num_items) else n
+
+
 def run_eval(policy: Policy, cfg, pool: EnvPool, store: RunStore, step: int, label: str, progress: Progress | None, gate=None,
              hints: Hints | None = None, prefix: str = "eval", engine=None) -> EvalResult:
     """Greedy held-out evaluation; writes eval/<label>.json, the ledger row and <prefix>/* metrics
@@ -173,13 +183,14 @@ def run_eval(policy: Policy, cfg, pool: EnvPool, store: RunStore, step: int, lab
     test look. With `hints`, each item is shown the hint it gives for the item's seed. `engine`
     decodes (None: native), holding `policy`'s current weights."""
     ec = cfg.eval
-    seeds = split_seeds(ec.split, ec.n)
+    n = eval_items(pool, ec.split, ec.n)
+    seeds = split_seeds(ec.split, n)
     result = evaluate(
         policy,
         pool,
         cfg.env.name,
         ec.split,
-        ec.n,
+        n,
         ec.max_new_tokens or cfg.sampling.max_new_tokens,
         cfg.model.system_prompt or None,
         batch_size=ec.batch_size,

@@ -63,6 +63,12 @@ class WeightsGate:
         the weights published whenever a round swaps them."""
         gc = cfg.gate
         self.cfg, self.store, self.pool, self.log, self.hints, self.engine = cfg, store, pool, log, hints, engine
+        num_items = getattr(pool.take(1)[0], "num_items", None)  # a finite task (a dataset's rows)
+        if callable(num_items) and gc.n > num_items("gate"):
+            raise UserError(
+                f"gate.n = {gc.n}, but the task has {num_items('gate')} gate items: a round would score some twice, which the paired test "
+                "counts as independent evidence; lower gate.n, or give the gate more rows (data.gate_frac, data.split_key)"
+            )
         self.gate_cfg = gate_config(gc)
         self.lineage = Lineage(store.db)
         self.lineage.truncate_after(start_step)  # a resumed run forgets rounds after its checkpoint
