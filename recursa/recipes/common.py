@@ -22,6 +22,7 @@ from recursa.evaluate import EvalResult, evaluate
 from recursa.generation import sequence_logprobs
 from recursa.models import Policy, count_parameters, load_policy, resolve_device
 from recursa.rollout import is_agent_env
+from recursa.runio import atomic_write_text, fault_point
 from recursa.store import RunStore, finished_checkpoints
 from recursa.trajectory import TrainBatch
 
@@ -122,9 +123,15 @@ def open_run(cfg, out: Path, resume: bool, log: Callable[[str], None], kl_refere
     multi_turn = is_agent_env(pool.take(1)[0])
     init_dir = init_weights_dir(cfg)
     store = RunStore(out, tensorboard=cfg.run.tensorboard)
-    ckpt = store.latest_checkpoint() if resume else None
-    if not resume:
-        (out / "config.toml").write_text(dump_config(cfg))
+    if store.lock.stale:
+        log(f"took over the lock of {out} from pid {store.lock.stale.get('pid')}, which is no longer running")
+    ckpt = None
+    if resume:
+        store.reconcile(log)  # ledger, checkpoints and evaluations agree again after any crash
+        ckpt = store.resume_checkpoint(log)  # a corrupt latest checkpoint falls back to the previous good one
+    else:
+        atomic_write_text(out / "config.toml", dump_config(cfg))
+        fault_point("config.written")
     policy = load_policy(cfg.model, weights_dir=ckpt, base_dir=init_dir)
     if kl_reference:
         if ckpt is not None and not policy.is_lora:
@@ -192,17 +199,17 @@ def run_eval(policy: Policy, cfg, pool: EnvPool, store: RunStore, step: int, lab
         engine=engine,
     )
     path = store.path / "eval" / f"{label}.json"
-    result.save(path)
-    store.record_eval(step, label, result, path)
     before = store.path / "eval" / "before.json"
+    look = None
     if gate is not None and label != "before" and before.exists():
-        gate.look(step, label, EvalResult.load(before), result)
+        look = lambda: gate.look(step, label, EvalResult.load(before), result)  # noqa: E731
     lo, hi = result.ci95
     p = prefix
-    store.log_metrics(step, {
+    metrics = {
         f"{p}/success_rate": result.success_rate, f"{p}/ci95_lo": lo, f"{p}/ci95_hi": hi, f"{p}/mean_reward": result.mean_reward,
         f"{p}/mean_steps": result.mean_steps, f"{p}/invalid_rate": result.invalid_rate, f"{p}/n": result.n, f"time/{p}_s": result.seconds,
-    })
+    }
+    store.save_eval(step, label, result, path, metrics, before_commit=look)  # file, ledger row, look and metrics, crash-safe
     return result
 
 
