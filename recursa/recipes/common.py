@@ -29,6 +29,21 @@ from recursa.trajectory import TrainBatch
 Progress = Callable[[str, int, int], None]  # (phase, done, total)
 
 
+def check_finite(step: int, **values) -> None:
+    """Stop the run with a one-line UserError naming the step when a value (a tensor or a
+    number: advantages, a teacher's scale, the loss, the gradient norm) is NaN or infinite,
+    before it reaches the weights of a checkpoint. Costs one host sync per value."""
+    import math
+
+    for name, value in values.items():
+        ok = bool(torch.isfinite(value).all()) if isinstance(value, torch.Tensor) else math.isfinite(float(value))
+        if not ok:
+            raise UserError(
+                f"step {step}: {name} is NaN or infinite, so training stopped before writing it into any checkpoint: lower train.lr "
+                "(or raise train.max_grad_norm's strictness), check the env's rewards, then resume from the last checkpoint with --resume"
+            )
+
+
 def step_generator(seed: int, step: int) -> torch.Generator:
     """The generator for every random draw of step (or round, or epoch) `step`. It lives on
     the CPU whatever the policy's device: shuffles and choices are drawn on the host, and

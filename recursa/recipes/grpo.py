@@ -44,7 +44,7 @@ from recursa.engines import make_engine
 from recursa.envs import split_seed
 from recursa.generation import SamplingParams, prefix_lengths, sequence_logprobs, shared_prefix_logprobs
 from recursa.models import Policy
-from recursa.recipes.common import Progress, eval_before, lr_at, open_run, run_eval, step_generator
+from recursa.recipes.common import Progress, check_finite, eval_before, lr_at, open_run, run_eval, step_generator
 from recursa.recipes.gating import PromptGate, WeightsGate
 from recursa.trajectory import Episode, TrainBatch, Trajectory, collate
 
@@ -369,8 +369,10 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
             advantages = compute_advantages(cfg.algo.advantage, rewards)  # (B, G)
             row_advantages = advantages.view(-1)
             failures.extend((t.prompt_text, t.completion_text) for t in trajs if not t.success)
+        check_finite(step + 1, advantages=row_advantages)
         batch = collate(trajs, row_advantages, policy.tokenizer.pad_token_id, policy.device)
         st = update(policy, optimizer, batch, cfg, gen, opt_step, learner=run.learner)
+        check_finite(step + 1, loss=st.loss, grad_norm=st.grad_norm)
         opt_step += st.opt_steps
         tp = time.perf_counter()
         engine.load_weights(policy)

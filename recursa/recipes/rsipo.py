@@ -114,7 +114,7 @@ from recursa.envs import EnvPool, system_prompt_of
 from recursa.generation import GenerationStats, SamplingParams, generate, sequence_logprobs, shared_prefix_logprobs
 from recursa.models import Policy
 from recursa.distributed.rollouts import LocalRollouts, RolloutBackend, make_rollouts
-from recursa.recipes.common import Progress, eval_before, open_run, run_eval, step_generator
+from recursa.recipes.common import Progress, check_finite, eval_before, open_run, run_eval, step_generator
 from recursa.recipes.gating import SkillGate, WeightsGate
 from recursa.recipes.grpo import Imitation, UpdateStats, episode_rows, train_seeds, update, update_metrics
 from recursa.rollout import render_prompt, rollout, rollout_episodes, with_hint
@@ -1157,7 +1157,9 @@ def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress 
 
         # ---- token advantages, then one update on the policy, writing, hinted and win rows
         imitation, shares, extra = set_advantages(batch, played, skills, hinted, wins, taught, cfg)
+        check_finite(step + 1, **{"advantages (outcome x teacher scale)": batch.advantages})
         st = update(policy, optimizer, batch, cfg, gen, opt_step, imitation, learner=run.learner)
+        check_finite(step + 1, loss=st.loss, grad_norm=st.grad_norm)
         opt_step += st.opt_steps
         episodes += len(played.attempts) + hinted.episodes
         engine.load_weights(policy)  # the rollout engine samples the next step with the new weights

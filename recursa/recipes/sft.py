@@ -34,6 +34,7 @@ from recursa.demos import build_demos
 from recursa.engines import make_engine
 from recursa.errors import UserError
 from recursa.recipes.common import (
+    check_finite,
     eval_before,
     open_run,
     Progress,
@@ -78,6 +79,7 @@ def train(cfg: SFTConfig, out: Path, resume: bool = False, progress: Progress | 
             batch = collate(chosen, torch.zeros(len(chosen), device="cpu"), pad, policy.device)
             st = supervised_step(policy, optimizer, batch, cfg, opt_step, learner=run.learner)
             opt_step += 1
+            check_finite(opt_step, loss=st.loss, grad_norm=st.grad_norm)
             dt = time.perf_counter() - t1
             losses.append(st.loss)
             tokens = int(batch.attention_mask.sum())
