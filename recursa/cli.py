@@ -100,7 +100,7 @@ def cmd_train(args) -> int:
         finally:
             progress.stop()
     finally:
-        lock.release()
+        lock.release_all()  # also when the recipe stopped on an error without closing its store
     if learner is not None:  # on an error instead, torchrun stops the workers with rank 0
         learner.stop()
         learner.close()
@@ -223,7 +223,9 @@ def cmd_eval(args) -> int:
     other = _check_eval_args(args)  # --compare is read before the evaluation, not after it
     cfg, model_cfg, weights, base, env_name, env_kwargs, max_new = _eval_source(args)
     torch.set_num_threads(cfg.run.threads)
-    pool = EnvPool(lambda: make_env(env_name, **env_kwargs))
+    from recursa.recipes.common import supervision_of
+
+    pool = EnvPool(lambda: make_env(env_name, **env_kwargs), supervision=supervision_of(cfg))  # a crashed game is restarted, its item failed
     pool.take(1)  # fail fast on a bad task spec
     n = args.n if args.n is not None else cfg.eval.n
     hints, skills_note = _eval_hints(args, cfg, weights, env_name, pool, n)

@@ -267,6 +267,11 @@ class RunLock:
             os.close(self._fd)
             self._fd = None
 
+    def release_all(self) -> None:
+        """Release however many times this process acquired it (a run that stopped on an error)."""
+        while self._depth:
+            self.release()
+
     @property
     def held(self) -> bool:
         return self._depth > 0

@@ -398,6 +398,7 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
             "throughput/gen_tokens_per_s": gen_stats.generated_tokens / max(t1 - t0, 1e-9),
             "throughput/tokens_per_s": (prompt_tokens + lengths.sum().item()) / max(t2 - t0, 1e-9),
             **rollouts.metrics(),
+            **pool.metrics(),  # env/restarts: games that crashed or hung this step
         }
         store.log_metrics(step + 1, metrics)
         store.log_samples(step + 1, [

@@ -238,6 +238,7 @@ def train(cfg: RFTConfig, out: Path, resume: bool = False, progress: Progress | 
             "time/update_s": t2 - t1,
             "time/step_s": t2 - t0,
             **rollouts.metrics(),
+            **pool.metrics(),  # env/restarts: games that crashed or hung this step
         }
         store.log_metrics(rnd + 1, metrics)
         store.log_samples(rnd + 1, [{"seed": a.seed, "completion": a.key, "reward": a.reward} for a in kept[: cfg.run.log_samples]])

@@ -1166,7 +1166,7 @@ def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress 
         times.append(time.perf_counter())
 
         metrics = {**step_metrics(played, skills, hinted, wins, taught, shares, extra, routes, st, len(batch), cfg, opt_step, episodes, times),
-                   **rollouts.metrics()}
+                   **rollouts.metrics(), **pool.metrics()}
         store.log_metrics(step + 1, metrics)
         store.log_samples(step + 1, [
             {"seed": t.seed, "prompt": t.prompt_text, "completion": t.completion_text, "reward": t.reward, "advantage": float(played.row_adv[i])}
