@@ -680,6 +680,8 @@ def _format_validation(exc: ValidationError, source: str) -> str:
         return f"{source}: {loc} {msg}; fix it in the file or with --set {loc}=...{more}"
     if err["type"] == "extra_forbidden":
         return f"{source}: unknown key {loc!r}: remove it or check the spelling (see `recursa train --help-config`)"
+    if err["type"] == "value_error" and not err["loc"]:  # a rule across keys: its message names them and the fix
+        return f"{source}: {msg.removeprefix('Value error, ')}"
     got = f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], dict) else ""
     more = f" [+{len(exc.errors()) - 1} more]" if len(exc.errors()) > 1 else ""
     return f"{source}: {loc}: {msg}{got}; fix it in the file or with --set {loc}=...{more}"
