@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from recursa.errors import UserError
-from recursa.runio import RunLock, remove_run_files, user_error_of
+from recursa.runio import RunLock, is_run_dir, remove_run_files, user_error_of
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -84,6 +84,8 @@ def cmd_train(args) -> int:
         return 0
     if out.exists() and not out.is_dir():
         raise UserError(f"{out} is a file, not a directory: choose another --out")
+    if args.overwrite and not args.resume and out.is_dir() and any(p.name != ".recursa.lock" for p in out.iterdir()) and not is_run_dir(out):
+        remove_run_files(out)  # refuses (UserError) before anything, even a lock file, is written there
     lock = RunLock.of(out).acquire()  # held while this process writes the run; a second writer is refused in one line
     try:
         if not args.resume:

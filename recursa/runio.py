@@ -374,9 +374,12 @@ def user_error_of(exc: BaseException) -> UserError | None:
             return UserError(f"file name too long{where}: choose a shorter path")
         if exc.errno == errno.EIO:
             return UserError(f"input/output error{where}: the disk or file system failed; check it and resume")
-    # torch.save on a full disk reports "unexpected pos" / "file write failed" from its zip writer
+    # Writers that do not raise OSError on a full disk: torch.save's zip writer ("unexpected pos",
+    # "file write failed"), safetensors (an IoError with os error 28 / StorageFull), SQLite
+    # ("database or disk is full").
     text = str(exc)
-    if isinstance(exc, RuntimeError) and ("unexpected pos" in text or "file write failed" in text or "No space left" in text):
-        return UserError("disk full while writing a torch file: free some space, then continue with `recursa train --resume RUN_DIR`; "
+    markers = ("unexpected pos", "file write failed", "No space left", "StorageFull", "os error 28", "database or disk is full")
+    if isinstance(exc, Exception) and any(m in text for m in markers):
+        return UserError(f"disk full while writing ({type(exc).__name__}): free some space, then continue with `recursa train --resume RUN_DIR`; "
                          "the last finished checkpoint is intact")
     return None

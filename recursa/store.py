@@ -178,7 +178,7 @@ class RunStore:
         final = self.checkpoint_dir(step)
         try:
             write_weights(final, policy, optimizer, {"step": step, **state}, point="checkpoint")
-        except (OSError, RuntimeError) as exc:
+        except Exception as exc:  # noqa: BLE001 -- a full disk surfaces as OSError, RuntimeError (torch) or SafetensorError
             from recursa.runio import user_error_of
 
             err = user_error_of(exc)
@@ -204,6 +204,11 @@ class RunStore:
         drop the ledger row and test look of an evaluation whose file never arrived, set
         aside an evaluation file that cannot be read, and re-log the metrics line of a
         committed evaluation that a kill cut off."""
+        for path in sorted(self.path.glob("*.jsonl")):  # a line torn by a kill mid-append: cut it, so appends start on a fresh line
+            data = path.read_bytes()
+            if data and not data.endswith(b"\n"):
+                atomic_write_bytes(path, data[: data.rfind(b"\n") + 1])
+                log(f"reconciled: dropped the torn last line of {path.name} (a kill mid-write)")
         root = self.path / "checkpoints"
         for parent in (root, self.path / "incumbents"):
             if not parent.is_dir():
