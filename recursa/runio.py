@@ -144,11 +144,14 @@ def append_line(path: Path, text: str, point: str | None = None) -> None:
     """Append `text` (one or more whole lines) with one write, then fsync."""
     data = text.encode("utf-8")
     with open(path, "ab") as f:
-        if point and _matches(os.environ.get("RECURSA_FAULT_AT"), f"{point}.torn"):
-            f.write(data[: max(1, len(data) // 2)])
-            f.flush()
-            os.fsync(f.fileno())
-            fault_point(f"{point}.torn")
+        if point and os.environ.get("RECURSA_FAULT_AT"):  # the test hook: die with half the line written
+            torn = f"{point}.torn"
+            _hits[torn] = _hits.get(torn, 0) + 1
+            if _matches(os.environ["RECURSA_FAULT_AT"], torn):
+                f.write(data[: max(1, len(data) // 2)])
+                f.flush()
+                os.fsync(f.fileno())
+                os.kill(os.getpid(), signal.SIGKILL)
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
