@@ -176,3 +176,33 @@ def test_training_survives_crashing_games(tmp_path, capsys):
     for pid in PipeGame.started:  # every game process was reaped: nothing left running
         with pytest.raises(ChildProcessError):
             os.waitpid(pid, os.WNOHANG)
+
+
+def test_textworldexpress_jvm_killed_mid_episode_is_restarted():
+    """The real thing: the TextWorldExpress JVM (reached through py4j) is killed mid-episode;
+    the step fails the episode with reason 'crashed', a new JVM starts, the next episode plays."""
+    import shutil
+
+    pytest.importorskip("textworld_express", reason="textworld-express is not installed")
+    if shutil.which("java") is None:
+        pytest.skip("Java is not on PATH (TextWorldExpress runs in a JVM)")
+    from recursa.envs import make_env
+
+    pool = EnvPool(lambda: make_env("twx:coin", numLocations=3, numDistractorItems=0, includeDoors=False), supervision=Supervision())
+    try:
+        env = pool.take(1)[0]
+        env.reset(1)
+        jvm = env.inner._env._gateway.java_process
+        jvm.kill()
+        jvm.wait()
+        result = env.step(env.admissible_actions()[0])
+        assert result.done and result.info["failure"] == "crashed" and not result.info["won"]
+        assert pool.restarts == 1
+        assert env.inner._env._gateway.java_process.pid != jvm.pid
+        env.reset(2)
+        plan = env.walkthrough()
+        for action in plan:
+            result = env.step(action)
+        assert result.info["won"]
+    finally:
+        pool.close()

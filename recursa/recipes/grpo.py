@@ -358,6 +358,7 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
             episodes, gen_stats = ero.episodes, ero.stats
             t1 = time.perf_counter()
             rewards = torch.tensor([e.total_reward for e in episodes], dtype=torch.float32, device="cpu").view(B, G)  # (B, G)
+            check_finite(step + 1, rewards=rewards)  # an env's NaN reward is named, never trained on
             advantages = compute_advantages(cfg.algo.advantage, rewards)  # (B, G)
             trajs, row_advantages, episode_metrics = episode_rows(episodes, advantages, cfg)
             failures.extend((f"{e.task} {e.turns[-1].observation}", " | ".join(t.action for t in e.turns[-3:])) for e in episodes if not e.won and e.turns)
@@ -366,6 +367,7 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
             trajs, gen_stats = ro.trajectories, ro.stats
             t1 = time.perf_counter()
             rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32, device="cpu").view(B, G)  # (B, G)
+            check_finite(step + 1, rewards=rewards)  # an env's NaN reward is named, never trained on
             advantages = compute_advantages(cfg.algo.advantage, rewards)  # (B, G)
             row_advantages = advantages.view(-1)
             failures.extend((t.prompt_text, t.completion_text) for t in trajs if not t.success)

@@ -657,6 +657,7 @@ def play(policy: Policy, pool: EnvPool, seeds: list[int], shown: list[str | None
         ero = rollouts.episodes(seeds, G, sampling, gen, system, cfg.agent, hints=shown)
         gen_stats = ero.stats
         rewards = torch.tensor([e.total_reward for e in ero.episodes], dtype=torch.float32, device="cpu").view(B, G)  # (B, G)
+        check_finite(step, rewards=rewards)  # an env's NaN reward is named, never trained on
         advantages = compute_advantages(cfg.algo.advantage, rewards)  # (B, G)
         rows, row_adv, metrics = episode_rows(ero.episodes, advantages, cfg)  # one row per turn
         attempts = episode_attempts(ero.episodes, step, cfg.agent, shown)
@@ -665,6 +666,7 @@ def play(policy: Policy, pool: EnvPool, seeds: list[int], shown: list[str | None
         gen_stats = ro.stats
         rows = ro.trajectories
         rewards = torch.tensor([t.reward for t in rows], dtype=torch.float32, device="cpu").view(B, G)  # (B, G)
+        check_finite(step, rewards=rewards)  # an env's NaN reward is named, never trained on
         advantages = compute_advantages(cfg.algo.advantage, rewards)  # (B, G)
         row_adv = advantages.view(-1)
         attempts = completion_attempts(rows, step, shown)
