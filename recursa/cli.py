@@ -86,7 +86,14 @@ def cmd_train(args) -> int:
         raise UserError(f"{out} is a file, not a directory: choose another --out")
     if args.overwrite and not args.resume and out.is_dir() and any(p.name != ".recursa.lock" for p in out.iterdir()) and not is_run_dir(out):
         remove_run_files(out)  # refuses (UserError) before anything, even a lock file, is written there
-    lock = RunLock.of(out).acquire()  # held while this process writes the run; a second writer is refused in one line
+    from recursa.models import resolve_device
+
+    resolve_device(cfg.model.device)  # a GPU asked for and missing fails before the run directory is touched
+    # Held while this process writes the run; a second writer is refused in one line. A new
+    # directory is locked when the run store creates it (nothing is written there before).
+    lock = RunLock.of(out)
+    if out.exists():
+        lock.acquire()
     try:
         if not args.resume:
             if (out / "metrics.jsonl").exists() and not args.overwrite:
@@ -462,7 +469,7 @@ def expected_failure(exc: BaseException) -> str | None:
     import sqlite3
 
     if isinstance(exc, UserError):
-        return _first_line(exc)
+        return " ".join(str(exc).split()) or type(exc).__name__  # the whole message, on one line
     err = user_error_of(exc)
     if err is not None:
         return str(err)
