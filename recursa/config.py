@@ -8,6 +8,7 @@ fall back to a plain string.
 
 from __future__ import annotations
 
+import math
 import re
 import tomllib
 from pathlib import Path
@@ -19,8 +20,51 @@ from recursa.agent import AgentConfig
 from recursa.errors import UserError
 
 
+# Upper bounds on sizes (by field name, in every section): a value past them is a typo or
+# cannot run (`group_size = 1e9` would sample for days before printing anything).
+SIZE_LIMITS: dict[str, float] = {
+    "group_size": 4096, "prompts_per_step": 65_536, "tasks_per_round": 65_536, "steps": 10_000_000, "rounds": 1_000_000,
+    "epochs": 10_000, "mini_batches": 65_536, "micro_batch_size": 65_536, "batch_size": 1_000_000, "max_new_tokens": 1_048_576,
+    "n": 10_000_000, "logit_chunk": 1 << 24, "threads": 4096, "workers": 4096, "rerolls": 4096, "hidden_size": 1 << 16,
+    "intermediate_size": 1 << 18, "num_layers": 4096, "num_heads": 4096, "num_kv_heads": 4096, "max_positions": 1 << 22,
+    "lr": 1.0, "log_samples": 100_000, "prompt_candidates": 1024, "max_test_looks": 100_000, "step_timeout": 86_400.0,
+}
+
+
+def _numeric_annotation(annotation) -> bool:
+    """Whether a field takes a number (int or float, possibly optional) and never a bool or a string."""
+    import typing
+
+    args = typing.get_args(annotation) or (annotation,)
+    if typing.get_origin(annotation) not in (None, typing.Union) and not isinstance(annotation, type(int | None)):
+        return False
+    kinds = {a for a in args if a is not type(None)}
+    return bool(kinds) and kinds <= {int, float}
+
+
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _strict_numbers(cls, data: Any) -> Any:
+        """A number field takes a number: true/false and strings are refused (pydantic would
+        read true as 1 and "1e-5" as a float); nan and inf are refused (allow_inf_nan); and
+        sizes stay under SIZE_LIMITS."""
+        if not isinstance(data, dict):
+            return data
+        for name, value in data.items():
+            field = cls.model_fields.get(name)
+            if field is None or value is None or not _numeric_annotation(field.annotation):
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"@{name}@ must be a number, not {type(value).__name__} {value!r}")
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"@{name}@ must be a finite number, got {value!r}")
+            limit = SIZE_LIMITS.get(name)
+            if limit is not None and value > limit:
+                raise ValueError(f"@{name}@ = {value!r} is above the sane maximum {limit:g} (a typo?): lower it")
+        return data
 
 
 class TinyModelConfig(_Section):
@@ -74,6 +118,12 @@ class EnvConfig(_Section):
         "package registers under the `recursa.envs` entry-point group (see `recursa envs`)",
     )
     kwargs: dict[str, Any] = Field(default_factory=dict, description="task options, e.g. {difficulty = 0}; your own factory is called with them as keywords")
+    step_timeout: float | None = Field(
+        None, gt=0,
+        description="seconds one env reset/step may take; a step past it is treated like a crashed game: the game is restarted, the episode "
+        "recorded as failed (reason 'timeout') and counted in env/restarts (None = no limit)",
+    )
+    max_restarts: int = Field(100, ge=0, description="crashed or hung games restarted in one process before the run stops with an error (a game that always crashes is a bug, not bad luck)")
 
 
 class RewardEntry(_Section):
@@ -732,8 +782,16 @@ def _format_validation(exc: ValidationError, source: str) -> str:
     err = exc.errors()[0]
     loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
     msg = err["msg"]
+    marked = re.search(r"@(\w+)@ ", msg)
+    if marked:  # a field named by a section's own check (_Section._strict_numbers)
+        loc = f"{loc}.{marked.group(1)}" if loc != "(top level)" else marked.group(1)
+        msg = msg[marked.end():].strip()
+        more = f" [+{len(exc.errors()) - 1} more]" if len(exc.errors()) > 1 else ""
+        return f"{source}: {loc} {msg}; fix it in the file or with --set {loc}=...{more}"
     if err["type"] == "extra_forbidden":
         return f"{source}: unknown key {loc!r}: remove it or check the spelling (see `recursa train --help-config`)"
+    if err["type"] == "value_error" and not err["loc"]:  # a rule across keys: its message names them and the fix
+        return f"{source}: {msg.removeprefix('Value error, ')}"
     got = f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], dict) else ""
     more = f" [+{len(exc.errors()) - 1} more]" if len(exc.errors()) > 1 else ""
     return f"{source}: {loc}: {msg}{got}; fix it in the file or with --set {loc}=...{more}"
@@ -769,17 +827,23 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         p = Path(path)
         if not p.exists():
             raise UserError(f"config file {p} not found: pass a TOML file such as examples/smoke.toml")
+        if not p.is_file():
+            raise UserError(f"config file {p} is not a file: pass a TOML file such as examples/smoke.toml")
         try:
-            data = tomllib.loads(p.read_text())
+            data = tomllib.loads(p.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as exc:
-            raise UserError(f"{p}: not valid TOML ({exc})") from None
+            raise UserError(f"{p}: not valid TOML ({exc}): fix the file") from None
+        except UnicodeDecodeError:
+            raise UserError(f"{p}: not a text file (not UTF-8): pass a TOML config file") from None
+        except PermissionError:
+            raise UserError(f"{p}: permission denied reading the config: make it readable") from None
         source = str(p)
     for item in overrides:
         key_path, value = parse_override(item)
         _set_path(data, key_path, value)
     recipe = data.get("recipe", recipe or "grpo")
     data["recipe"] = recipe
-    if recipe not in RECIPES:
+    if not isinstance(recipe, str) or recipe not in RECIPES:
         raise UserError(f"{source}: unknown recipe {recipe!r}; choose one of {sorted(RECIPES)}")
     try:
         cfg = RECIPES[recipe].model_validate(data)

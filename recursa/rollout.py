@@ -241,7 +241,7 @@ def rollout_episodes(
             admissible[i] = info.get("admissible", admissible[i])
             if result.done:
                 won[i] = bool(info.get("won", info.get("success", False)))
-                finish[i] = "won" if won[i] else ("max_steps" if info.get("steps", 0) >= getattr(envs[i], "max_steps", 1 << 30) else "lost")
+                finish[i] = "won" if won[i] else info.get("failure") or ("max_steps" if info.get("steps", 0) >= getattr(envs[i], "max_steps", 1 << 30) else "lost")
             else:
                 still.append(i)
         live = still

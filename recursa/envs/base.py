@@ -238,16 +238,36 @@ def match_admissible(action: str, admissible: list[str] | None) -> str | None:
 class EnvPool:
     """Env instances kept for reuse across rollouts. Some adapters are costly to create
     (a TextWorldExpress adapter starts a JVM), so a run creates each instance once and
-    resets it for every new episode. `take(n)` returns n distinct instances."""
+    resets it for every new episode. `take(n)` returns n distinct instances.
 
-    def __init__(self, factory: Callable[[], "Env"]):
+    With `supervision` (recursa.envs.supervise), each instance is a `SupervisedEnv`: a game
+    that crashes or hangs is restarted and its episode fails; `restarts` counts them and
+    `metrics()` reports the count since the last call as env/restarts."""
+
+    def __init__(self, factory: Callable[[], "Env"], supervision=None):
         self.factory = factory
         self.envs: list[Env] = []
+        self.supervision = supervision
+        self.restarts = 0
+        self.failures: list[str] = []  # what each restart was for, oldest first
+        self._reported = 0
 
     def take(self, n: int) -> list["Env"]:
         while len(self.envs) < n:
-            self.envs.append(self.factory())
+            if self.supervision is not None:
+                from recursa.envs.supervise import SupervisedEnv
+
+                self.envs.append(SupervisedEnv(self.factory, self, self.supervision))
+            else:
+                self.envs.append(self.factory())
         return self.envs[:n]
+
+    def metrics(self) -> dict[str, float]:
+        """{"env/restarts": games restarted since the last call} (supervised pools; else {})."""
+        if self.supervision is None:
+            return {}
+        new, self._reported = self.restarts - self._reported, self.restarts
+        return {"env/restarts": float(new)}
 
     def close(self) -> None:
         for env in self.envs:
@@ -477,7 +497,16 @@ def env_factory(spec: str, **kwargs: Any) -> Callable[[], Env]:
 
 def make_env(spec: str, **kwargs: Any) -> Env:
     """Build the env named by `spec` ("arithmetic", "rg:<dataset>", "twx:<game>",
-    "textworld:<generator>", "pkg.module:factory", an entry-point or registered name) with `kwargs`."""
+    "textworld:<generator>", "pkg.module:factory", an entry-point or registered name) with `kwargs`. An option the env does not
+    take, or a value it refuses, is a one-line UserError naming env.kwargs."""
+    try:
+        return _make_env(spec, **kwargs)
+    except (TypeError, ValueError) as exc:
+        raise UserError(f"env {spec!r} cannot be built with kwargs {kwargs!r} ({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}): "
+                        "fix env.kwargs (or --env-arg)") from None
+
+
+def _make_env(spec: str, **kwargs: Any) -> Env:
     if not isinstance(spec, str):
         raise UserError(f"env spec must be a string like 'arithmetic' or 'rg:basic_arithmetic', got {spec!r}")
     spec = spec.strip()

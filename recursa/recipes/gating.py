@@ -41,6 +41,7 @@ from recursa.gate import GateConfig, binary_gate, fresh_gate_seeds
 from recursa.lineage import Lineage
 from recursa.models import Policy, restore_weights
 from recursa.stats import paired_compare
+from recursa.skills.sanitize import sanitize
 from recursa.store import RunStore, load_optimizer, write_weights
 
 
@@ -212,7 +213,7 @@ class PromptGate:
         if not lineage.candidates("prompt"):
             lineage.root("prompt", _squash(self.text, 80), {"text": self.text}, step=0)
         if gc.mode == "gate":
-            self._apply(lineage.incumbent("prompt").payload["text"])  # the admitted prompt, also after a resume
+            self._apply(sanitize(str(lineage.incumbent("prompt").payload["text"]), one_line=False))  # the admitted prompt, also after a resume
 
     @property
     def text(self) -> str:

@@ -45,7 +45,7 @@ from recursa.engines import make_engine
 from recursa.envs import split_seed
 from recursa.generation import SamplingParams, prefix_lengths, sequence_logprobs, shared_prefix_logprobs
 from recursa.models import Policy
-from recursa.recipes.common import Progress, eval_before, lr_at, open_run, run_eval, step_generator
+from recursa.recipes.common import Progress, check_finite, eval_before, lr_at, open_run, run_eval, step_generator
 from recursa.recipes.gating import PromptGate, WeightsGate
 from recursa.rewards import RewardSet, score_episodes, score_trajectories
 from recursa.trajectory import Episode, TrainBatch, Trajectory, collate
@@ -365,6 +365,7 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
                 scored = score_episodes(reward_set, episodes)
                 totals, reward_metrics = scored.totals, scored.metrics
             rewards = torch.tensor(totals, dtype=torch.float32, device="cpu").view(B, G)  # (B, G)
+            check_finite(step + 1, rewards=rewards)  # an env's NaN reward is named, never trained on
             advantages = compute_advantages(cfg.algo.advantage, rewards)  # (B, G)
             trajs, row_advantages, episode_metrics = episode_rows(episodes, advantages, cfg)
             failures.extend((f"{e.task} {e.turns[-1].observation}", " | ".join(t.action for t in e.turns[-3:])) for e in episodes if not e.won and e.turns)
@@ -375,11 +376,14 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
             if reward_set is not None:  # [[reward]]: each trajectory's reward becomes the weighted sum
                 reward_metrics = score_trajectories(reward_set, trajs).metrics
             rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32, device="cpu").view(B, G)  # (B, G)
+            check_finite(step + 1, rewards=rewards)  # an env's NaN reward is named, never trained on
             advantages = compute_advantages(cfg.algo.advantage, rewards)  # (B, G)
             row_advantages = advantages.view(-1)
             failures.extend((t.prompt_text, t.completion_text) for t in trajs if not t.success)
+        check_finite(step + 1, advantages=row_advantages)
         batch = collate(trajs, row_advantages, policy.tokenizer.pad_token_id, policy.device)
         st = update(policy, optimizer, batch, cfg, gen, opt_step, learner=run.learner)
+        check_finite(step + 1, loss=st.loss, grad_norm=st.grad_norm)
         opt_step += st.opt_steps
         tp = time.perf_counter()
         engine.load_weights(policy)
@@ -406,6 +410,7 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
             "throughput/gen_tokens_per_s": gen_stats.generated_tokens / max(t1 - t0, 1e-9),
             "throughput/tokens_per_s": (prompt_tokens + lengths.sum().item()) / max(t2 - t0, 1e-9),
             **rollouts.metrics(),
+            **pool.metrics(),  # env/restarts: games that crashed or hung this step
         }
         store.log_metrics(step + 1, metrics)
         store.log_samples(step + 1, [

@@ -114,7 +114,7 @@ from recursa.envs import EnvPool, system_prompt_of
 from recursa.generation import GenerationStats, SamplingParams, generate, sequence_logprobs, shared_prefix_logprobs
 from recursa.models import Policy
 from recursa.distributed.rollouts import LocalRollouts, RolloutBackend, make_rollouts
-from recursa.recipes.common import Progress, eval_before, open_run, run_eval, step_generator
+from recursa.recipes.common import Progress, check_finite, eval_before, open_run, run_eval, step_generator
 from recursa.recipes.gating import SkillGate, WeightsGate
 from recursa.rewards import RewardSet, score_episodes, score_trajectories
 from recursa.recipes.grpo import Imitation, UpdateStats, episode_rows, train_seeds, update, update_metrics
@@ -664,6 +664,7 @@ def play(policy: Policy, pool: EnvPool, seeds: list[int], shown: list[str | None
             totals = scored.totals
             metrics.update(scored.metrics)
         rewards = torch.tensor(totals, dtype=torch.float32, device="cpu").view(B, G)  # (B, G)
+        check_finite(step, rewards=rewards)  # an env's NaN reward is named, never trained on
         advantages = compute_advantages(cfg.algo.advantage, rewards)  # (B, G)
         rows, row_adv, episode_metrics = episode_rows(ero.episodes, advantages, cfg)  # one row per turn
         metrics.update(episode_metrics)
@@ -675,6 +676,7 @@ def play(policy: Policy, pool: EnvPool, seeds: list[int], shown: list[str | None
         if reward_set is not None:
             metrics.update(score_trajectories(reward_set, rows).metrics)
         rewards = torch.tensor([t.reward for t in rows], dtype=torch.float32, device="cpu").view(B, G)  # (B, G)
+        check_finite(step, rewards=rewards)  # an env's NaN reward is named, never trained on
         advantages = compute_advantages(cfg.algo.advantage, rewards)  # (B, G)
         row_adv = advantages.view(-1)
         attempts = completion_attempts(rows, step, shown)
@@ -1171,14 +1173,16 @@ def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress 
 
         # ---- token advantages, then one update on the policy, writing, hinted and win rows
         imitation, shares, extra = set_advantages(batch, played, skills, hinted, wins, taught, cfg)
+        check_finite(step + 1, **{"advantages (outcome x teacher scale)": batch.advantages})
         st = update(policy, optimizer, batch, cfg, gen, opt_step, imitation, learner=run.learner)
+        check_finite(step + 1, loss=st.loss, grad_norm=st.grad_norm)
         opt_step += st.opt_steps
         episodes += len(played.attempts) + hinted.episodes
         engine.load_weights(policy)  # the rollout engine samples the next step with the new weights
         times.append(time.perf_counter())
 
         metrics = {**step_metrics(played, skills, hinted, wins, taught, shares, extra, routes, st, len(batch), cfg, opt_step, episodes, times),
-                   **rollouts.metrics()}
+                   **rollouts.metrics(), **pool.metrics()}
         store.log_metrics(step + 1, metrics)
         store.log_samples(step + 1, [
             {"seed": t.seed, "prompt": t.prompt_text, "completion": t.completion_text, "reward": t.reward, "advantage": float(played.row_adv[i])}
