@@ -220,6 +220,22 @@ class RolloutConfig(_Section):
         None, gt=0, description="truncated importance sampling: the policy-gradient loss of each token x min(exp(logp_trainer - logp_engine), tis_cap); None = off"
     )
     vllm: VLLMSettings = Field(default_factory=VLLMSettings, description="settings of rollout.engine = 'vllm'")
+    continuous: bool = Field(
+        False,
+        description="multi-turn games on the native engine: continuous batching (a finished reply's row is refilled at once with the "
+        "episode's next prompt or the next episode, static KV buffer) with prompt-prefix reuse; every episode samples from its own "
+        "stream (as sampling.streams = 'group'), so samples equal the synchronous path's under 'group' streams up to float rounding",
+    )
+    max_rows: int = Field(32, gt=0, description="rollout.continuous: rows decoded together at most; further episodes wait for a free row")
+    prefix_cache_mb: int = Field(
+        256, ge=0, description="rollout.continuous: MiB of prompt keys/values kept for reuse by later prompts sharing a prefix (0 = no reuse)"
+    )
+    decode_dtype: Literal["model", "bfloat16", "int8"] = Field(
+        "model",
+        description="native engine: sample with the trainer's own weights ('model'), or with a bfloat16 copy or a copy with dynamically "
+        "quantised int8 linear layers (CPU), refreshed after every update; the trainer keeps its dtype and recomputes its log-probs "
+        "(the difference is logged as rollout/logprob_mismatch; rollout.tis_cap corrects for it)",
+    )
 
 
 class AlgoConfig(_Section):
@@ -393,6 +409,11 @@ def rollout_streams(cfg) -> str:
 
 
 def _check_distributed(cfg) -> None:
+    native_only = [k for k, on in (("continuous", cfg.rollout.continuous), ("decode_dtype", cfg.rollout.decode_dtype != "model")) if on]
+    if native_only and cfg.rollout.engine != "native":
+        raise ValueError(f"rollout.{native_only[0]} is a setting of the native engine: set rollout.engine = 'native' (or drop rollout.{native_only[0]})")
+    if native_only and cfg.distributed.backend == "ray":
+        raise ValueError(f"rollout.{native_only[0]} is not available on Ray rollout workers yet: set distributed.backend = 'none' (or drop rollout.{native_only[0]})")
     if cfg.distributed.backend == "ray" and cfg.rollout.engine != "native":
         raise ValueError(
             "distributed.backend = 'ray' runs the native sampler in each worker; rollout.engine = 'vllm' samples in this process: "
