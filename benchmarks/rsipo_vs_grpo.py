@@ -177,13 +177,54 @@ def setting_value(game: dict, key: str) -> int:
     return int(next(s.split("=", 1)[1] for s in game["sets"] if s.startswith(key + "=")))
 
 
-def warm_start_id(game: dict) -> str | None:
-    """What identifies the warm start's weights: a hash of the config that trained them (a
-    warm start retrained from the same config on this machine has the same weights)."""
-    if game["warm_start"] is None:
-        return None
+def _config_sha(game: dict) -> str | None:
     cfg = REPO / game["warm_start"] / "config.toml"
     return hashlib.sha256(cfg.read_bytes()).hexdigest()[:16] if cfg.exists() else None
+
+
+def _weights_sha(game: dict) -> str | None:
+    """sha256 of the warm start's last checkpoint's weight files (names and bytes)."""
+    ckpts = sorted((REPO / game["warm_start"] / "checkpoints").glob("step_*"))
+    files = sorted(ckpts[-1].glob("*.safetensors")) if ckpts else []
+    if not files:
+        return None
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode())
+        with f.open("rb") as fh:
+            for block in iter(lambda: fh.read(1 << 24), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
+def warm_start_id(game: dict) -> str | None:
+    """What identifies the warm start's weights: a hash of the config that trained them,
+    pinned in `<results>/<game>/warm_start_pin.json` with the weights' own hash. A warm start
+    retrained later (its config.toml written with keys recursa added since) keeps the pinned
+    id when its weights are byte-identical, so committed results stay valid; with other
+    weights it gets a new id and every run is redone."""
+    if game["warm_start"] is None:
+        return None
+    config_sha = _config_sha(game)
+    pin_path = game.get("pin")
+    if config_sha is None or pin_path is None or not pin_path.exists():
+        return config_sha
+    pin = json.loads(pin_path.read_text())
+    if pin["config_sha"] == config_sha:
+        return config_sha
+    return pin["config_sha"] if _weights_sha(game) == pin["weights_sha256"] else config_sha
+
+
+def pin_warm_start(game: dict) -> None:
+    """Write the pin (config hash, weights hash) the first time a game's warm start is used."""
+    pin_path = game.get("pin")
+    if game["warm_start"] is None or pin_path is None or pin_path.exists():
+        return
+    weights = _weights_sha(game)
+    if weights is not None:
+        pin_path.parent.mkdir(parents=True, exist_ok=True)
+        pin_path.write_text(json.dumps({"config_sha": _config_sha(game), "weights_sha256": weights, "warm_start": game["warm_start"],
+                                        "trained_by": game["warm_start_cmd"]}, indent=1) + "\n")
 
 
 # ----------------------------------------------------------------------------- one run (subprocess)
@@ -576,10 +617,13 @@ def main(argv: list[str] | None = None) -> int:
     seeds = [int(s) for s in args.seeds.split(",")]
     args.results = args.results or args.out or str(RESULTS / "pilot" if args.split == "gate" else RESULTS)
     args.runs_dir = args.runs_dir or str(REPO / "runs" / ("bench_tiny" if args.tiny else "bench"))
+    games = [{**game, "pin": Path(args.results) / game["slug"] / "warm_start_pin.json"} for game in games]
     for game in games:
         if not args.report and game["warm_start"] and not (REPO / game["warm_start"] / "config.toml").exists():
             print(f"error: the warm start {game['warm_start']} is missing: train it first, {game['warm_start_cmd']}", file=sys.stderr)
             return 2
+        if not args.report:
+            pin_warm_start(game)
     for game in games:
         steps = args.steps or game["steps"]
         B, G = setting_value(game, "train.prompts_per_step"), setting_value(game, "train.group_size")

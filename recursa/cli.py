@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from recursa.errors import UserError
+from recursa.runio import RunLock, is_run_dir, remove_run_files, user_error_of
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -81,19 +82,38 @@ def cmd_train(args) -> int:
         ddp.serve(learner)  # never touches the run directory
         learner.close()
         return 0
-    if not args.resume:
-        if (out / "metrics.jsonl").exists() and not args.overwrite:
-            raise UserError(f"{out} already holds a run: continue it with --resume {out}, choose another --out, or pass --overwrite")
-        if args.overwrite and out.exists():
-            import shutil
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out} is a file, not a directory: choose another --out")
+    resume = bool(args.resume)
+    if not resume and cfg.run.resume == "auto" and not args.overwrite and (out / "config.toml").exists():
+        resume = True  # run.resume = "auto": continue the run already there
+        print(f"run.resume = 'auto': continuing the run in {out}")
+    if args.overwrite and not resume and out.is_dir() and any(p.name != ".recursa.lock" for p in out.iterdir()) and not is_run_dir(out):
+        remove_run_files(out)  # refuses (UserError) before anything, even a lock file, is written there
+    from recursa.models import resolve_device
 
-            shutil.rmtree(out)
-    console = _console()
-    progress = _Progress()
+    resolve_device(cfg.model.device)  # a GPU asked for and missing fails before the run directory is touched
+    # Held while this process writes the run; a second writer is refused in one line. A new
+    # directory is locked when the run store creates it (nothing is written there before).
+    lock = RunLock.of(out)
+    if out.exists():
+        lock.acquire()
     try:
-        _recipe_train(cfg.recipe)(cfg, out, resume=bool(args.resume), progress=progress, log=console.print)
+        if not resume:
+            if (out / "metrics.jsonl").exists() and not args.overwrite:
+                raise UserError(f"{out} already holds a run: continue it with --resume {out}, choose another --out, or pass --overwrite")
+            if args.overwrite:
+                kept = remove_run_files(out)  # refuses a directory that is not a recursa run; deletes only the run's own files
+                if kept:
+                    print(f"--overwrite: kept {len(kept)} file(s) in {out} that are not the run's: {', '.join(sorted(kept)[:5])}", file=sys.stderr)
+        console = _console()
+        progress = _Progress()
+        try:
+            _recipe_train(cfg.recipe)(cfg, out, resume=resume, progress=progress, log=console.print)
+        finally:
+            progress.stop()
     finally:
-        progress.stop()
+        lock.release_all()  # also when the recipe stopped on an error without closing its store
     if learner is not None:  # on an error instead, torchrun stops the workers with rank 0
         learner.stop()
         learner.close()
@@ -131,8 +151,31 @@ def _eval_source(args):
 
         key, value = parse_override(item)
         env_kwargs[".".join(key)] = value
-    max_new = args.max_new_tokens or cfg.eval.max_new_tokens or cfg.sampling.max_new_tokens
+    max_new = args.max_new_tokens if args.max_new_tokens is not None else (cfg.eval.max_new_tokens or cfg.sampling.max_new_tokens)
     return cfg, model_cfg, weights, base, env_name, env_kwargs, max_new
+
+
+def _check_eval_args(args):
+    """Flags of `recursa eval` checked before anything is loaded; returns the --compare
+    evaluation (read and validated now, not after a long evaluation) or None."""
+    from recursa.config import SIZE_LIMITS
+    from recursa.evaluate import EvalResult
+
+    if args.n is not None and not 1 <= args.n <= SIZE_LIMITS["n"]:
+        raise UserError(f"--n {args.n}: evaluate at least 1 and at most {SIZE_LIMITS['n']:g} items")
+    if args.max_new_tokens is not None and not 1 <= args.max_new_tokens <= SIZE_LIMITS["max_new_tokens"]:
+        raise UserError(f"--max-new-tokens {args.max_new_tokens}: give a cap between 1 and {SIZE_LIMITS['max_new_tokens']:g}")
+    if args.checkpoint != "last" and not str(args.checkpoint).isdigit():
+        raise UserError(f"--checkpoint {args.checkpoint!r}: give 'last' or a step number")
+    if args.json:
+        target = Path(args.json)
+        if target.is_dir():
+            raise UserError(f"--json {target} is a directory: pass a file path, e.g. {target / 'eval.json'}")
+        if not target.parent.is_dir():
+            raise UserError(f"--json {target}: directory {target.parent} does not exist; create it or choose another path")
+        if not os.access(target.parent, os.W_OK):
+            raise UserError(f"--json {target}: directory {target.parent} is not writable; choose another path")
+    return EvalResult.load(Path(args.compare)) if args.compare else None
 
 
 def _eval_hints(args, cfg, weights, env_name: str, pool, n: int):
@@ -168,7 +211,10 @@ def _eval_hints(args, cfg, weights, env_name: str, pool, n: int):
         ckpt = ckpts[-1]
     if run_cfg.recipe != "rsipo":
         raise UserError(f"--skills: {source} is a {run_cfg.recipe} run; only rsipo runs keep a skill library")
-    snapshot = json.loads((ckpt / "state.json").read_text()).get("skills")
+    try:
+        snapshot = json.loads((ckpt / "state.json").read_text()).get("skills")
+    except (ValueError, AttributeError):
+        raise UserError(f"--skills: {ckpt / 'state.json'} is not a readable checkpoint state: the checkpoint is corrupt") from None
     if snapshot is None:
         raise UserError(f"--skills: {ckpt} stores no skill library (written by an older recursa?)")
     library = SkillLibrary(":memory:")
@@ -180,20 +226,23 @@ def _eval_hints(args, cfg, weights, env_name: str, pool, n: int):
 
 
 def cmd_eval(args) -> int:
-    import json
-
     import torch
 
     from recursa.envs import EnvPool, make_env
-    from recursa.evaluate import EvalResult, evaluate, evaluate_scripted
+    from recursa.evaluate import evaluate, evaluate_scripted
     from recursa.models import load_policy
     from recursa.stats import paired_compare
 
+    other = _check_eval_args(args)  # --compare is read before the evaluation, not after it
     cfg, model_cfg, weights, base, env_name, env_kwargs, max_new = _eval_source(args)
     torch.set_num_threads(cfg.run.threads)
-    pool = EnvPool(lambda: make_env(env_name, **env_kwargs))
+    from recursa.envs.dataset import task_factory, uses_dataset
+    from recursa.recipes.common import eval_items, supervision_of
+
+    factory = task_factory(cfg) if uses_dataset(cfg) and not args.env else lambda: make_env(env_name, **env_kwargs)
+    pool = EnvPool(factory, supervision=supervision_of(cfg))  # a crashed game is restarted, its item failed
     pool.take(1)  # fail fast on a bad task spec
-    n = args.n if args.n is not None else cfg.eval.n
+    n = eval_items(pool, args.split, args.n if args.n is not None else cfg.eval.n)
     hints, skills_note = _eval_hints(args, cfg, weights, env_name, pool, n)
     progress = _Progress()
     try:
@@ -245,8 +294,7 @@ def cmd_eval(args) -> int:
     if args.json:
         result.save(Path(args.json))
         console.print(f"wrote {args.json}")
-    if args.compare:
-        other = EvalResult.load(Path(args.compare))
+    if other is not None:
         before = {i.seed: i.success for i in other.items}
         common = [i for i in result.items if i.seed in before]
         if not common:
@@ -258,9 +306,10 @@ def cmd_eval(args) -> int:
             f"McNemar b={cmp['b']} c={cmp['c']} p(one-sided)={cmp['p_greater']:.3g} p(two-sided)={cmp['p_two_sided']:.3g}"
         )
         if args.json:
-            data = json.loads(Path(args.json).read_text())
-            data["compare"] = {"against": str(args.compare), **{k: (list(v) if isinstance(v, tuple) else v) for k, v in cmp.items()}}
-            Path(args.json).write_text(json.dumps(data, indent=1) + "\n")
+            from recursa.runio import atomic_write_json
+
+            data = {**result.to_json(), "compare": {"against": str(args.compare), **{k: (list(v) if isinstance(v, tuple) else v) for k, v in cmp.items()}}}
+            atomic_write_json(Path(args.json), data)
     return 0
 
 
@@ -281,7 +330,10 @@ def cmd_report(args) -> int:
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
         raise UserError(f"{run_dir} is not a directory: pass a run directory written by `recursa train`")
-    path = write_report(run_dir)
+    try:
+        path = write_report(run_dir)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"{run_dir}: cannot read the run's logs ({_first_line(exc)}): the run directory is corrupt; fix or remove that file") from None
     print(f"wrote {path}")
     return 0
 
@@ -358,10 +410,17 @@ def cmd_examples(args) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error (the usage is one --help away)."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {self.prog}: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="recursa", description="Recursive self-improving policy optimization for language-model agents.")
+    p = _Parser(prog="recursa", description="Recursive self-improving policy optimization for language-model agents.")
     p.add_argument("--debug", action="store_true", help="show tracebacks for user errors")
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     t = sub.add_parser("train", help="train a policy with a recipe config (TOML): grpo, rsipo, sft or rft (expert iteration); "
                        "data-parallel under `torchrun --nproc_per_node N -m recursa.cli train ...`")
@@ -430,14 +489,57 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except UserError as exc:
-        if args.debug:
-            raise
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print("interrupted: continue with `recursa train --resume RUN_DIR`", file=sys.stderr)
         return 130
+    except Exception as exc:  # noqa: BLE001 -- every failure becomes one line; --debug shows the traceback
+        if args.debug:
+            raise
+        message = expected_failure(exc)
+        if message is not None:
+            print(f"error: {message}", file=sys.stderr)
+            return 2
+        print(f"internal error: {_where(exc)}: {_first_line(exc)} -- a bug in recursa; rerun with --debug for the traceback and report it", file=sys.stderr)
+        return 1
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:400] if text else type(exc).__name__
+
+
+def _where(exc: BaseException) -> str:
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return type(exc).__name__
+    f = frames[-1]
+    return f"{type(exc).__name__} at {Path(f.filename).name}:{f.lineno}"
+
+
+def expected_failure(exc: BaseException) -> str | None:
+    """The one-line message of a failure the user can fix (exit 2), or None for a bug:
+    UserError; the operating system's disk-full, permission, read-only and missing-path
+    errors; a corrupt SQLite ledger or weights file; running out of memory."""
+    import sqlite3
+
+    if isinstance(exc, UserError):
+        return " ".join(str(exc).split()) or type(exc).__name__  # the whole message, on one line
+    err = user_error_of(exc)
+    if err is not None:
+        return str(err)
+    if isinstance(exc, sqlite3.DatabaseError):
+        return f"a run's ledger.sqlite cannot be read ({_first_line(exc)}): the run directory is corrupt; restore it or start a new run"
+    name = type(exc).__name__
+    if name == "SafetensorError" or "safetensors" in type(exc).__module__:
+        return f"a weights file is corrupt or truncated ({_first_line(exc)}): use an earlier checkpoint or re-export the model"
+    if isinstance(exc, MemoryError) or name == "OutOfMemoryError":
+        return "out of memory: lower train.micro_batch_size, eval.batch_size, train.prompts_per_step x train.group_size or sampling.max_new_tokens"
+    if isinstance(exc, OSError):
+        where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
+        return f"{exc.strerror or _first_line(exc)}{where}: check the path and the disk"
+    return None
 
 
 if __name__ == "__main__":

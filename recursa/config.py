@@ -8,6 +8,7 @@ fall back to a plain string.
 
 from __future__ import annotations
 
+import math
 import re
 import tomllib
 from pathlib import Path
@@ -19,8 +20,51 @@ from recursa.agent import AgentConfig
 from recursa.errors import UserError
 
 
+# Upper bounds on sizes (by field name, in every section): a value past them is a typo or
+# cannot run (`group_size = 1e9` would sample for days before printing anything).
+SIZE_LIMITS: dict[str, float] = {
+    "group_size": 4096, "prompts_per_step": 65_536, "tasks_per_round": 65_536, "steps": 10_000_000, "rounds": 1_000_000,
+    "epochs": 10_000, "mini_batches": 65_536, "micro_batch_size": 65_536, "batch_size": 1_000_000, "max_new_tokens": 1_048_576,
+    "n": 10_000_000, "logit_chunk": 1 << 24, "threads": 4096, "workers": 4096, "rerolls": 4096, "hidden_size": 1 << 16,
+    "intermediate_size": 1 << 18, "num_layers": 4096, "num_heads": 4096, "num_kv_heads": 4096, "max_positions": 1 << 22,
+    "lr": 1.0, "log_samples": 100_000, "prompt_candidates": 1024, "max_test_looks": 100_000, "step_timeout": 86_400.0,
+}
+
+
+def _numeric_annotation(annotation) -> bool:
+    """Whether a field takes a number (int or float, possibly optional) and never a bool or a string."""
+    import typing
+
+    args = typing.get_args(annotation) or (annotation,)
+    if typing.get_origin(annotation) not in (None, typing.Union) and not isinstance(annotation, type(int | None)):
+        return False
+    kinds = {a for a in args if a is not type(None)}
+    return bool(kinds) and kinds <= {int, float}
+
+
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _strict_numbers(cls, data: Any) -> Any:
+        """A number field takes a number: true/false and strings are refused (pydantic would
+        read true as 1 and "1e-5" as a float); nan and inf are refused (allow_inf_nan); and
+        sizes stay under SIZE_LIMITS."""
+        if not isinstance(data, dict):
+            return data
+        for name, value in data.items():
+            field = cls.model_fields.get(name)
+            if field is None or value is None or not _numeric_annotation(field.annotation):
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"@{name}@ must be a number, not {type(value).__name__} {value!r}")
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"@{name}@ must be a finite number, got {value!r}")
+            limit = SIZE_LIMITS.get(name)
+            if limit is not None and value > limit:
+                raise ValueError(f"@{name}@ = {value!r} is above the sane maximum {limit:g} (a typo?): lower it")
+        return data
 
 
 class TinyModelConfig(_Section):
@@ -67,8 +111,76 @@ class ModelConfig(_Section):
 
 
 class EnvConfig(_Section):
-    name: str = Field("arithmetic", description="task spec: 'arithmetic' or 'rg:<reasoning-gym dataset>' (see `recursa envs`)")
-    kwargs: dict[str, Any] = Field(default_factory=dict, description="task options, e.g. {difficulty = 0}")
+    name: str = Field(
+        "arithmetic",
+        description="task spec: a built-in ('arithmetic', 'household', 'rg:<reasoning-gym dataset>', 'twx:<game>', 'textworld:<generator>'), "
+        "your own factory 'pkg.module:make_env' (returns an object following recursa's Env or AgentEnv protocol), or a name an installed "
+        "package registers under the `recursa.envs` entry-point group (see `recursa envs`)",
+    )
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="task options, e.g. {difficulty = 0}; your own factory is called with them as keywords")
+    step_timeout: float | None = Field(
+        None, gt=0,
+        description="seconds one env reset/step may take; a step past it is treated like a crashed game: the game is restarted, the episode "
+        "recorded as failed (reason 'timeout') and counted in env/restarts (None = no limit)",
+    )
+    max_restarts: int = Field(100, ge=0, description="crashed or hung games restarted in one process before the run stops with an error (a game that always crashes is a bug, not bad luck)")
+
+
+class RewardEntry(_Section):
+    """One `[[reward]]` entry (recursa/rewards.py): the training reward is the weighted sum of the entries."""
+
+    func: str = Field(
+        ...,
+        description="'pkg.module:function' called as fn(prompts, completions, **item_fields) -> list[float | None] (None: does not apply), "
+        "or 'env' for the env's own reward (included with weight 1 unless an 'env' entry sets its weight)",
+    )
+    weight: float = Field(1.0, description="w_k in R = sum_k w_k r_k")
+    name: str | None = Field(None, description="name in the metrics, reward/<name>/mean (default: the function's name; 'env' for the env's reward)")
+
+    @field_validator("func")
+    @classmethod
+    def _func(cls, value: str) -> str:
+        value = value.strip()
+        if value != "env" and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", value):
+            raise ValueError("must be 'env' or 'package.module:function'")
+        return value
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"[\w.\-]+", value):
+            raise ValueError("must be letters, digits, '_', '-' or '.' (it becomes a metric key)")
+        return value
+
+
+class DatasetConfig(_Section):
+    """Tasks from your own rows (recursa/envs/dataset.py): each row is a single-turn item, split once into train / gate / test."""
+
+    source: Literal["none", "jsonl", "parquet", "hf"] = Field(
+        "none",
+        description="none: tasks come from env.name; jsonl: a JSONL file; parquet: a Parquet file (pip install 'recursa[data]'); "
+        "hf: a local datasets directory (save_to_disk) or local json/jsonl/parquet/csv files read with `datasets` (never a hub download)",
+    )
+    path: str | None = Field(None, description="the data file or directory")
+    prompt_key: str | None = Field(None, description="column holding the prompt text (None: 'prompt')")
+    answer_key: str = Field("answer", description="column holding the reference answer (scorers 'exact' and 'last_number'; SFT's demonstrations)")
+    scorer: str = Field(
+        "last_number",
+        description="how a reply is scored: 'exact' (the reply, or its last <answer> tag, equals the answer), 'last_number' (its last number equals the "
+        "answer's), or a reward function 'pkg.module:function' called as fn([prompt], [reply], **row) -> [score]",
+    )
+    success_at: float = Field(1.0, description="a reward-function scorer's item counts as solved when its score is at least this")
+    split_key: str | None = Field(None, description="column naming each row's split ('train', 'gate' or 'test'; 'validation' = gate); None: split by a hash of the prompt")
+    gate_frac: float = Field(0.1, ge=0, lt=1, description="without split_key: share of rows (by prompt hash) in the gate split")
+    test_frac: float = Field(0.1, ge=0, lt=1, description="without split_key: share of rows (by prompt hash) in the test split")
+
+    @model_validator(mode="after")
+    def _check_dataset(self) -> "DatasetConfig":
+        if self.source in ("jsonl", "parquet", "hf") and not self.path:
+            raise ValueError(f"data.source = {self.source!r} needs data.path")
+        if self.gate_frac + self.test_frac >= 1:
+            raise ValueError("data.gate_frac + data.test_frac must be < 1: some rows must be left for training")
+        return self
 
 
 class SamplingConfig(_Section):
@@ -108,6 +220,22 @@ class RolloutConfig(_Section):
         None, gt=0, description="truncated importance sampling: the policy-gradient loss of each token x min(exp(logp_trainer - logp_engine), tis_cap); None = off"
     )
     vllm: VLLMSettings = Field(default_factory=VLLMSettings, description="settings of rollout.engine = 'vllm'")
+    continuous: bool = Field(
+        False,
+        description="multi-turn games on the native engine: continuous batching (a finished reply's row is refilled at once with the "
+        "episode's next prompt or the next episode, static KV buffer) with prompt-prefix reuse; every episode samples from its own "
+        "stream (as sampling.streams = 'group'), so samples equal the synchronous path's under 'group' streams up to float rounding",
+    )
+    max_rows: int = Field(32, gt=0, description="rollout.continuous: rows decoded together at most; further episodes wait for a free row")
+    prefix_cache_mb: int = Field(
+        256, ge=0, description="rollout.continuous: MiB of prompt keys/values kept for reuse by later prompts sharing a prefix (0 = no reuse)"
+    )
+    decode_dtype: Literal["model", "bfloat16", "int8"] = Field(
+        "model",
+        description="native engine: sample with the trainer's own weights ('model'), or with a bfloat16 copy or a copy with dynamically "
+        "quantised int8 linear layers (CPU), refreshed after every update; the trainer keeps its dtype and recomputes its log-probs "
+        "(the difference is logged as rollout/logprob_mismatch; rollout.tis_cap corrects for it)",
+    )
 
 
 class AlgoConfig(_Section):
@@ -174,7 +302,31 @@ class RunConfig(_Section):
     checkpoint_every: int = Field(0, ge=0, description="save a checkpoint every N steps (GRPO steps, SFT epochs, expert-iteration rounds; 0 = only at the end)")
     log_samples: int = Field(4, ge=0, description="sample completions written to samples.jsonl per step")
     threads: int = Field(2, gt=0, description="torch CPU threads")
-    tensorboard: bool = Field(False, description="also write TensorBoard event files (needs tensorboard)")
+    tensorboard: bool = Field(False, description="same as adding 'tensorboard' to log.report_to (kept for older configs)")
+    keep_last: int | None = Field(
+        None, gt=0,
+        description="keep only the K newest checkpoints under RUN_DIR/checkpoints (None: keep all); gate incumbents (RUN_DIR/incumbents) and any "
+        "checkpoint the ledger marks as accepted are never deleted",
+    )
+    resume: Literal["never", "auto"] = Field(
+        "never",
+        description="auto: `recursa train` continues the run already in the output directory (from its last checkpoint, as --resume does) "
+        "instead of refusing to overwrite it; never: an existing run needs --resume or --overwrite",
+    )
+
+
+class LogConfig(_Section):
+    """Live tracking (recursa/tracking.py): metrics.jsonl is always written and stays the source of truth; every tracker
+    listed here receives the same keys at the same steps."""
+
+    report_to: list[Literal["tensorboard", "wandb", "trackio", "mlflow"]] = Field(
+        default_factory=list,
+        description="trackers: tensorboard (RUN_DIR/tb), wandb (offline unless WANDB_MODE says otherwise; RUN_DIR/wandb), trackio (local store), "
+        "mlflow (local store RUN_DIR/mlflow.db unless MLFLOW_TRACKING_URI is set); pip install 'recursa[track]'",
+    )
+    project: str = Field("recursa", description="the project / experiment name in the trackers")
+    run_name: str | None = Field(None, description="the run's name in the trackers (None: the run directory's name)")
+    log_completions: bool = Field(False, description="also send each step's sample completions (as in samples.jsonl) to the trackers as a table or text")
 
 
 class GateSettings(_Section):
@@ -257,6 +409,11 @@ def rollout_streams(cfg) -> str:
 
 
 def _check_distributed(cfg) -> None:
+    native_only = [k for k, on in (("continuous", cfg.rollout.continuous), ("decode_dtype", cfg.rollout.decode_dtype != "model")) if on]
+    if native_only and cfg.rollout.engine != "native":
+        raise ValueError(f"rollout.{native_only[0]} is a setting of the native engine: set rollout.engine = 'native' (or drop rollout.{native_only[0]})")
+    if native_only and cfg.distributed.backend == "ray":
+        raise ValueError(f"rollout.{native_only[0]} is not available on Ray rollout workers yet: set distributed.backend = 'none' (or drop rollout.{native_only[0]})")
     if cfg.distributed.backend == "ray" and cfg.rollout.engine != "native":
         raise ValueError(
             "distributed.backend = 'ray' runs the native sampler in each worker; rollout.engine = 'vllm' samples in this process: "
@@ -294,6 +451,25 @@ class RecipeBase(_Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     run: RunConfig = Field(default_factory=RunConfig)
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    log: LogConfig = Field(default_factory=LogConfig)
+    data: DatasetConfig = Field(default_factory=DatasetConfig)
+
+    @model_validator(mode="after")
+    def _check_task_source(self) -> "RecipeBase":
+        from recursa.envs.dataset import uses_dataset
+
+        if uses_dataset(self) and "name" in self.env.model_fields_set:
+            raise ValueError(f"env.name = {self.env.name!r} and data.source = {self.data.source!r} both name the task: keep one")
+        return self
+
+
+def _check_rewards(cfg) -> None:
+    names = [e.name or e.func.rsplit(":", 1)[-1].rsplit(".", 1)[-1] for e in cfg.reward]
+    dup = next((n for n in names if names.count(n) > 1), None)
+    if dup is not None:
+        raise ValueError(f"two [[reward]] entries are named {dup!r}: give each a distinct name")
+    if sum(e.func == "env" for e in cfg.reward) > 1:
+        raise ValueError("more than one [[reward]] entry has func = 'env': keep one")
 
 
 def _check_test_looks(cfg, steps: int, extra_after: int = 0) -> None:
@@ -318,6 +494,7 @@ class GRPOConfig(RecipeBase):
     train: TrainConfig = Field(default_factory=TrainConfig)
     gate: GateSettings = Field(default_factory=GateSettings)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    reward: list[RewardEntry] = Field(default_factory=list, description="[[reward]] entries: the training reward is their weighted sum (none: the env's reward)")
 
     @model_validator(mode="after")
     def _check(self) -> "GRPOConfig":
@@ -335,6 +512,7 @@ class GRPOConfig(RecipeBase):
         if self.recipe == "grpo" and self.gate.skills_every:
             raise ValueError("gate.skills_every gates a skill library, which only the rsipo recipe has: set gate.skills_every = 0 or recipe = 'rsipo'")
         _check_distributed(self)
+        _check_rewards(self)
         return self
 
 
@@ -491,6 +669,7 @@ class RSIPOConfig(RecipeBase):
     train: TrainConfig = Field(default_factory=TrainConfig)
     gate: GateSettings = Field(default_factory=GateSettings)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    reward: list[RewardEntry] = Field(default_factory=list, description="[[reward]] entries: the training reward is their weighted sum (none: the env's reward)")
 
     @model_validator(mode="after")
     def _check(self) -> "RSIPOConfig":
@@ -527,21 +706,23 @@ class RSIPOConfig(RecipeBase):
         return self
 
 
-class DataConfig(_Section):
+class DataConfig(DatasetConfig):
     """Demonstrations for SFT (built by `recursa/demos.py`, training seeds only)."""
 
-    source: Literal["auto", "walkthrough", "reference", "jsonl"] = Field(
+    source: Literal["auto", "walkthrough", "reference", "jsonl", "parquet", "hf"] = Field(
         "auto",
-        description="walkthrough: a game's oracle play; reference: a single-turn task's reference answer; jsonl: chat transcripts in data.path; auto: walkthrough for games, reference otherwise",
+        description="walkthrough: a game's oracle play; reference: a single-turn task's reference answer; jsonl: with data.prompt_key, rows of "
+        "a JSONL dataset (their answer_key column is the demonstration), without it chat transcripts in data.path; parquet, hf: rows of a "
+        "dataset as for the RL recipes; auto: walkthrough for games, reference otherwise",
     )
-    n: int = Field(256, ge=0, description="training items to draw demonstrations from (walkthrough, reference)")
+    n: int = Field(256, ge=0, description="training items to draw demonstrations from (walkthrough, reference, and dataset rows: at most the train rows)")
     start: int = Field(0, ge=0, description="index of the first training item (items start .. start + n - 1 of the train split)")
-    path: str | None = Field(None, description="JSONL file of {\"messages\": [...], \"seed\": optional} for source = 'jsonl'")
+    path: str | None = Field(None, description="the dataset (source = 'jsonl' with prompt_key, 'parquet', 'hf'), or a JSONL file of {\"messages\": [...], \"seed\": optional} (source = 'jsonl' without prompt_key)")
 
     @model_validator(mode="after")
     def _check(self) -> "DataConfig":
         if self.source == "jsonl" and not self.path:
-            raise ValueError("data.source = 'jsonl' needs data.path, a JSONL file of chat transcripts")
+            raise ValueError("data.source = 'jsonl' needs data.path, a JSONL file of chat transcripts (or of rows, with data.prompt_key)")
         return self
 
 
@@ -622,37 +803,76 @@ def _format_validation(exc: ValidationError, source: str) -> str:
     err = exc.errors()[0]
     loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
     msg = err["msg"]
+    marked = re.search(r"@(\w+)@ ", msg)
+    if marked:  # a field named by a section's own check (_Section._strict_numbers)
+        loc = f"{loc}.{marked.group(1)}" if loc != "(top level)" else marked.group(1)
+        msg = msg[marked.end():].strip()
+        more = f" [+{len(exc.errors()) - 1} more]" if len(exc.errors()) > 1 else ""
+        return f"{source}: {loc} {msg}; fix it in the file or with --set {loc}=...{more}"
     if err["type"] == "extra_forbidden":
         return f"{source}: unknown key {loc!r}: remove it or check the spelling (see `recursa train --help-config`)"
+    if err["type"] == "value_error" and not err["loc"]:  # a rule across keys: its message names them and the fix
+        return f"{source}: {msg.removeprefix('Value error, ')}"
     got = f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], dict) else ""
     more = f" [+{len(exc.errors()) - 1} more]" if len(exc.errors()) > 1 else ""
     return f"{source}: {loc}: {msg}{got}; fix it in the file or with --set {loc}=...{more}"
 
 
-def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = (), recipe: str | None = None) -> RecipeConfig:
-    """Read a TOML config, apply --set overrides, validate once."""
+def check_plugins(cfg) -> None:
+    """The user code a config names, checked at load: an env factory ('pkg.module:attr' or a
+    `recursa.envs` entry point) imports and builds an env that follows the protocol, and every
+    [[reward]] function imports; else a one-line UserError naming what is missing."""
+    from recursa.envs.base import check_env, import_object
+    from recursa.envs.dataset import uses_dataset
+
+    if not uses_dataset(cfg):
+        check_env(cfg.env.name, cfg.env.kwargs)
+    for entry in getattr(cfg, "reward", []):
+        if entry.func != "env" and not callable(import_object(entry.func, "reward.func")):
+            raise UserError(f"reward.func = {entry.func!r} is not a function")
+    if uses_dataset(cfg) and cfg.data.scorer not in ("exact", "last_number"):
+        from recursa.envs.base import is_factory_spec
+
+        if not is_factory_spec(cfg.data.scorer):
+            raise UserError(f"data.scorer = {cfg.data.scorer!r}: choose 'exact', 'last_number' or a reward function 'pkg.module:function'")
+        import_object(cfg.data.scorer, "data.scorer")
+
+
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = (), recipe: str | None = None, check: bool = True) -> RecipeConfig:
+    """Read a TOML config, apply --set overrides, validate once. With `check`, the user code
+    it names (env factory, reward functions) is imported and checked too (`check_plugins`);
+    reading another run's config only for its settings (a warm start, an export) skips that."""
     data: dict[str, Any] = {}
     source = "config"
     if path is not None:
         p = Path(path)
         if not p.exists():
             raise UserError(f"config file {p} not found: pass a TOML file such as examples/smoke.toml")
+        if not p.is_file():
+            raise UserError(f"config file {p} is not a file: pass a TOML file such as examples/smoke.toml")
         try:
-            data = tomllib.loads(p.read_text())
+            data = tomllib.loads(p.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as exc:
-            raise UserError(f"{p}: not valid TOML ({exc})") from None
+            raise UserError(f"{p}: not valid TOML ({exc}): fix the file") from None
+        except UnicodeDecodeError:
+            raise UserError(f"{p}: not a text file (not UTF-8): pass a TOML config file") from None
+        except PermissionError:
+            raise UserError(f"{p}: permission denied reading the config: make it readable") from None
         source = str(p)
     for item in overrides:
         key_path, value = parse_override(item)
         _set_path(data, key_path, value)
     recipe = data.get("recipe", recipe or "grpo")
     data["recipe"] = recipe
-    if recipe not in RECIPES:
+    if not isinstance(recipe, str) or recipe not in RECIPES:
         raise UserError(f"{source}: unknown recipe {recipe!r}; choose one of {sorted(RECIPES)}")
     try:
-        return RECIPES[recipe].model_validate(data)
+        cfg = RECIPES[recipe].model_validate(data)
     except ValidationError as exc:
         raise UserError(_format_validation(exc, source)) from None
+    if check:
+        check_plugins(cfg)
+    return cfg
 
 
 def _drop_none(obj: Any) -> Any:
@@ -682,7 +902,15 @@ def describe(model: type[BaseModel] = GRPOConfig, prefix: str = "", defaults: Ba
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             lines.extend(describe(ann, key + ".", default))
             continue
+        item = getattr(ann, "__args__", (None,))[0] if getattr(ann, "__origin__", None) is list else None
+        if isinstance(item, type) and issubclass(item, BaseModel):  # a list of tables, e.g. [[reward]]
+            lines.append(f"{key} = {default!r}  # {field.description or ''}")
+            lines.extend(describe(item, f"{key}[].", None))
+            continue
         if isinstance(default, BaseModel):
             default = "{...}"
+        if field.is_required() and defaults is None:
+            lines.append(f"{key} = (required)  # {field.description or ''}")
+            continue
         lines.append(f"{key} = {default!r}  # {field.description or ''}")
     return lines

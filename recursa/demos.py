@@ -12,6 +12,9 @@ A demonstration is a `Trajectory` (the same row type the RL recipes train on) wh
 * reference -- single-turn tasks whose env offers `reference()`: the reference reply,
   kept only when the env scores it a success (some datasets' reference answers do not
   pass their own scorer) and counted otherwise.
+* a dataset (data.source = 'parquet' or 'hf', or 'jsonl' with data.prompt_key; see
+  recursa/envs/dataset.py) -- one row per training row: its prompt, then its answer column
+  as the reply, kept when the dataset's scorer counts it a success (as for reference).
 * jsonl -- chat transcripts, one JSON object per line: {"messages": [{"role", "content"},
   ...], "seed": optional int}. Every assistant message is a target (its tokens and its
   end-of-turn token); the configured system prompt is prepended when the transcript has
@@ -218,6 +221,11 @@ def build_demos(cfg, envs: EnvPool, tokenizer) -> DemoSet:
     env = envs.take(1)[0]
     if source == "auto":
         source = "walkthrough" if is_agent_env(env) else "reference"
+    from recursa.envs.dataset import uses_dataset
+
+    if uses_dataset(cfg):  # rows of a dataset: each training row's answer is its demonstration
+        num_train = env.num_items("train")
+        return reference_demos(envs, split_seeds("train", max(0, min(dc.n, num_train - dc.start)), dc.start), tokenizer, system_prompt)
     if source == "jsonl":
         return jsonl_demos(dc.path, tokenizer, system_prompt)
     seeds = split_seeds("train", dc.n, dc.start)

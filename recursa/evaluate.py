@@ -65,12 +65,35 @@ class EvalResult:
         return d
 
     def save(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        """Written atomically (temporary file, fsync, rename): a kill never leaves it torn."""
+        from recursa.runio import atomic_write_json
+
+        atomic_write_json(Path(path), self.to_json())
 
     @classmethod
     def load(cls, path: Path) -> "EvalResult":
-        d = json.loads(Path(path).read_text())
+        """An evaluation written by `save`; a missing, unreadable or malformed file is a
+        UserError naming it."""
+        path = Path(path)
+        if not path.is_file():
+            raise UserError(f"{path}: no such evaluation file; pass a JSON written by `recursa eval --json` or a run's eval/*.json")
+        try:
+            d = json.loads(path.read_text())
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise UserError(f"{path} is not valid JSON ({type(exc).__name__}): pass an evaluation written by `recursa eval --json`") from None
+        if not isinstance(d, dict) or not isinstance(d.get("items"), list):
+            raise UserError(f"{path} is not an evaluation (no list of items): pass a JSON written by `recursa eval --json`")
+        try:
+            result = cls._from_dict(d)
+            for i in result.items:
+                if isinstance(i.seed, bool) or not isinstance(i.seed, int) or not isinstance(i.success, bool):
+                    raise ValueError(f"item {i.seed!r}: seed must be an integer and success true/false")
+            return result
+        except (TypeError, ValueError, KeyError, AttributeError) as exc:
+            raise UserError(f"{path} is a malformed evaluation ({type(exc).__name__}: {str(exc)[:80]}): pass a JSON written by `recursa eval --json`") from None
+
+    @classmethod
+    def _from_dict(cls, d: dict) -> "EvalResult":
         known = set(cls.__dataclass_fields__)
         d = {k: v for k, v in d.items() if k in known}
         d["items"] = [EvalItem(**{k: v for k, v in i.items() if k in EvalItem.__dataclass_fields__}) for i in d.get("items", [])]

@@ -43,13 +43,26 @@ def run_checkpoint(run_dir: Path, checkpoint: str = "last") -> Path:
     if checkpoint == "last":
         if not done:
             raise UserError(f"{run_dir} has no finished checkpoint yet: let the run reach one (run.checkpoint_every) or resume it")
-        return done[-1]
+        return _readable(done[-1], done)
     if not str(checkpoint).isdigit():
         raise UserError(f"--checkpoint {checkpoint!r}: give 'last' or a step number, one of {[int(c.name[5:]) for c in done]}")
     want = run_dir / "checkpoints" / f"step_{int(checkpoint):06d}"
     if want not in done:
         raise UserError(f"no finished checkpoint {want.name} in {run_dir}; available steps: {[int(c.name[5:]) for c in done]}")
-    return want
+    return _readable(want, done)
+
+
+def _readable(ckpt: Path, done: list[Path]) -> Path:
+    """`ckpt` when its weights files read back whole; else a UserError naming the damage and
+    the other checkpoints to choose from."""
+    from recursa.store import _safetensors_problem
+
+    for w in sorted(ckpt.glob("*.safetensors")):
+        problem = _safetensors_problem(w)
+        if problem:
+            others = [int(c.name[5:]) for c in done if c != ckpt]
+            raise UserError(f"checkpoint {ckpt} is corrupt ({w.name}: {problem}): pick another with --checkpoint (steps {others})")
+    return ckpt
 
 
 def run_base_dir(cfg) -> Path | None:
@@ -68,7 +81,7 @@ def load_run_policy(run_dir: Path, checkpoint: str = "last", device: str = "cpu"
     from recursa.models import load_policy
 
     ckpt = run_checkpoint(run_dir, checkpoint)
-    cfg = load_config(Path(run_dir) / "config.toml")
+    cfg = load_config(Path(run_dir) / "config.toml", check=False)
     model_cfg = cfg.model.model_copy(update={"device": device})
     return cfg, ckpt, load_policy(model_cfg, weights_dir=ckpt, base_dir=run_base_dir(cfg))
 

@@ -66,6 +66,7 @@ class GenerationStats:
     prefill_tokens: int = 0
     decode_tokens: int = 0  # token positions run through the model while decoding
     generated_tokens: int = 0
+    prefix_reused_tokens: int = 0  # prompt tokens whose keys/values were reused, not computed (continuous batching's prefix cache)
 
 
 def _cache_kwarg(module: torch.nn.Module) -> str:

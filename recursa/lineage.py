@@ -362,7 +362,9 @@ def _check_kind(kind: str) -> None:
 
 
 def _clip(text: str, width: int) -> str:
-    text = " ".join(text.split())
+    from recursa.skills.sanitize import sanitize
+
+    text = sanitize(str(text))  # a summary can quote model-written text: nothing reaches the terminal as a command
     return text if len(text) <= width else text[: width - 1] + "…"
 
 

@@ -458,5 +458,7 @@ def write_report(run_dir: Path) -> Path:
             lines += [f"### {caption}", "", f"![{caption}]({rel})", ""]
 
     report = run_dir / "report.md"
-    report.write_text("\n".join(lines).rstrip("\n") + "\n", encoding="utf-8")
+    from recursa.runio import atomic_write_text
+
+    atomic_write_text(report, "\n".join(lines).rstrip("\n") + "\n")  # a kill never leaves a torn report
     return report

@@ -187,9 +187,14 @@ def rollout_episodes(
     `engine` samples (None: the native sampler on `policy`).
     With one generator per seed, each of the seed's episodes samples from its own stream
     (G generators drawn from the seed's).
+    An engine with `continuous` set (`rollout.continuous`) plays the episodes with continuous
+    batching instead (`_continuous_episodes`): the same prompts, turns and episodes, scheduled
+    per decode step, each episode always on its own stream.
     """
     tok = policy.tokenizer
     engine = engine or NativeEngine(policy)
+    if getattr(engine, "continuous", False):
+        return _continuous_episodes(policy, envs, seeds, group_size, sampling, generator, system_prompt, agent, hints, engine)
     n = len(seeds) * group_size
     streams = _streams_of(generator, len(seeds))
     episode_streams = None if streams is None else [e for g in streams for e in group_generators(g, group_size)]  # episode i*G+k
@@ -241,7 +246,7 @@ def rollout_episodes(
             admissible[i] = info.get("admissible", admissible[i])
             if result.done:
                 won[i] = bool(info.get("won", info.get("success", False)))
-                finish[i] = "won" if won[i] else ("max_steps" if info.get("steps", 0) >= getattr(envs[i], "max_steps", 1 << 30) else "lost")
+                finish[i] = "won" if won[i] else info.get("failure") or ("max_steps" if info.get("steps", 0) >= getattr(envs[i], "max_steps", 1 << 30) else "lost")
             else:
                 still.append(i)
         live = still
@@ -250,3 +255,89 @@ def rollout_episodes(
         for i in range(n)
     ]
     return EpisodeRollout(episodes, stats, calls)
+
+
+def _continuous_episodes(
+    policy: Policy,
+    envs: EnvPool | Callable[[], Env],
+    seeds: list[int],
+    group_size: int,
+    sampling: SamplingParams,
+    generator: Generators,
+    system_prompt: str | None,
+    agent: AgentConfig,
+    hints: list[str | None] | None,
+    engine,
+    times=None,
+) -> EpisodeRollout:
+    """`rollout_episodes` with continuous batching (`engine.batcher`, see
+    `recursa.engines.continuous`): every episode's first prompt is queued; whenever a reply is
+    complete its episode steps its game at once and queues its next prompt ahead of the
+    episodes still waiting, while the other rows keep decoding; a finished episode's row goes to
+    the next waiting episode. Prompts, parsing, turns and episodes are those of the synchronous
+    loop. Each episode samples from its own stream: G generators drawn from its seed's
+    generator when `generator` is a list (as the synchronous loop), else the seeds' generators
+    are first drawn from `generator` (`group_generators`, what `sampling.streams = "group"`
+    does), so an episode's tokens are those of the synchronous loop under group streams, to
+    float rounding of the logits. `times`: a `BatcherTimes` to add the batcher's seconds to."""
+    tok = policy.tokenizer
+    n = len(seeds) * group_size
+    streams = _streams_of(generator, len(seeds))
+    if streams is None and sampling.temperature > 0:
+        streams = group_generators(generator, len(seeds))
+    episode_streams = [None] * n if streams is None else [e for g in streams for e in group_generators(g, group_size)]  # episode i*G+k
+    episode_hints = [h for h in _hints_of(hints, len(seeds)) for _ in range(group_size)]
+    envs = as_pool(envs).take(n)
+    episode_seeds = [s for s in seeds for _ in range(group_size)]
+    obs = [env.reset(seed) for env, seed in zip(envs, episode_seeds)]
+    admissible = [env.admissible_actions() for env in envs]
+    history: list[list[tuple[str, str]]] = [[] for _ in range(n)]
+    turns: list[list[Turn]] = [[] for _ in range(n)]
+    prompts: list[list[int]] = [[] for _ in range(n)]
+    finish = [""] * n
+    won = [False] * n
+    stats = GenerationStats()
+    batcher = engine.batcher(sampling, stats, times)
+
+    def prompt_of(i: int) -> list[int]:
+        text = render_turn(envs[i].task, obs[i], admissible[i], history[i], agent, hint=episode_hints[i])
+        return render_prompt(tok, text, system_prompt_of(envs[i]) or system_prompt)
+
+    for i in range(n):
+        prompts[i] = prompt_of(i)
+        batcher.submit(i, prompts[i], episode_streams[i])
+    while batcher.busy:
+        for i, s in batcher.step():
+            anchor = envs[i].state_key() if hasattr(envs[i], "state_key") else obs[i]
+            reply = _completion_text(tok, s.token_ids)
+            parsed = parse_action(reply, admissible[i], agent)
+            result = envs[i].step(parsed.action)
+            info = result.info
+            turns[i].append(
+                Turn(
+                    prompt_ids=prompts[i],
+                    action_ids=list(s.token_ids),
+                    action_logprobs=list(s.logprobs),
+                    reply=reply,
+                    action=parsed.action,
+                    observation=obs[i],
+                    anchor=str(anchor),
+                    reward=float(result.reward),
+                    invalid=bool(info.get("invalid", False)),
+                    admissible=admissible[i],
+                )
+            )
+            history[i].append((obs[i], parsed.action))
+            obs[i] = result.obs
+            admissible[i] = info.get("admissible", admissible[i])
+            if result.done:
+                won[i] = bool(info.get("won", info.get("success", False)))
+                finish[i] = "won" if won[i] else ("max_steps" if info.get("steps", 0) >= getattr(envs[i], "max_steps", 1 << 30) else "lost")
+            else:
+                prompts[i] = prompt_of(i)
+                batcher.submit(i, prompts[i], episode_streams[i], front=True)
+    episodes = [
+        Episode(envs[i].name, episode_seeds[i], i // group_size, envs[i].task, turns[i], won[i], finish[i])
+        for i in range(n)
+    ]
+    return EpisodeRollout(episodes, stats, max((len(t) for t in turns), default=0))

@@ -132,7 +132,7 @@ class Episode:
     task: str
     turns: list[Turn]
     won: bool
-    finish_reason: str  # "won" | "lost" | "max_steps"
+    finish_reason: str  # "won" | "lost" | "max_steps" | "crashed" | "timeout" (the game failed: recursa.envs.supervise)
 
     @property
     def total_reward(self) -> float:

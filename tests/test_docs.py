@@ -156,7 +156,7 @@ def test_glossary_covers_every_key_the_recipes_write(written_keys):
 
 
 # String literals in the modules that write metrics: "group/name" or f"group/{...}".
-METRIC_SOURCES = ["recipes/*.py", "algorithms/*.py", "skills/*.py", "distributed/*.py"]
+METRIC_SOURCES = ["recipes/*.py", "algorithms/*.py", "skills/*.py", "distributed/*.py", "rewards.py", "envs/*.py"]
 _LITERAL = re.compile(r"""(f?)"([a-z_{}]+/[A-Za-z0-9_@/{}<>.]*)\"""")
 _NOT_METRICS = re.compile(r"\.(json|jsonl|toml|md|png|safetensors|pt)$|^(checkpoints|incumbents|runs)/")
 

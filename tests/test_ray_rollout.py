@@ -61,7 +61,7 @@ register_env("toy-digits-slow", SlowDigitsEnv, "toy-digits with a marker file an
 @pytest.fixture(scope="module", autouse=True)
 def local_ray():
     """One local Ray for the module; the workers import the tests' envs from tests/."""
-    path = os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
+    path = os.pathsep.join([str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "byo_pkg"), os.environ.get("PYTHONPATH", "")])
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": path, "RECURSA_DEVICE": "cpu"}})
     yield
     ray.shutdown()
@@ -243,3 +243,36 @@ def test_cli_train_with_ray_starts_and_stops_its_own_local_ray(tmp_path):
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "reward/mean" in r] == [1, 2]
     assert (run / "checkpoints" / "step_000002" / "model.safetensors").exists()
+
+
+BYO = ROOT / "tests" / "byo_pkg"
+BYO_TASKS = {  # the task sources of tests/byo_pkg that a worker must rebuild by name
+    "factory": '[env]\nname = "byo_tasks.envs:make_qa_env"\nkwargs = {{ path = "{data}" }}\n',
+    "data": '[data]\nsource = "jsonl"\npath = "{data}"\nprompt_key = "question"\n',
+}
+
+
+@pytest.mark.parametrize("task", sorted(BYO_TASKS))
+def test_user_env_or_dataset_with_a_reward_function_on_ray_workers(tmp_path, monkeypatch, task):
+    """An env named by import path, or a dataset, plus a [[reward]] function: the Ray workers
+    rebuild the task from the config by name, and the run logs the single-process metrics."""
+    monkeypatch.syspath_prepend(str(BYO))
+    data = BYO / "byo_tasks" / "data" / "qa.jsonl"
+    path = tmp_path / "c.toml"
+    path.write_text(
+        '[model]\nname = "tiny-random"\n[sampling]\nmax_new_tokens = 6\n[train]\nsteps = 2\nprompts_per_step = 2\ngroup_size = 4\n'
+        'micro_batch_size = 8\nlr = 1e-3\n[eval]\nn = 2\n[run]\ncheckpoint_every = 0\n'
+        '[[reward]]\nfunc = "byo_tasks.rewards:brevity"\nweight = 0.5\n' + BYO_TASKS[task].format(data=data)
+    )
+    ray_run, local_run = tmp_path / "ray", tmp_path / "local"
+    grpo.train(load_config(path, ["distributed.backend=ray", "distributed.workers=2"]), ray_run, log=lambda s: None)
+    grpo.train(load_config(path, ["sampling.streams=group"]), local_run, log=lambda s: None)
+
+    def rows(run):
+        return [{k: v for k, v in json.loads(line).items() if not k.startswith(("time/", "throughput/", "distributed/", "rollout/"))}
+                for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+    a, b = rows(ray_run), rows(local_run)
+    assert [r for r in a if "reward/brevity/mean" in r] and len(a) == len(b)
+    for x, y in zip(a, b):
+        assert _same_metrics(x, y, 0.0), (x, y)

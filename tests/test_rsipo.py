@@ -724,3 +724,30 @@ def test_benchmark_takes_each_ablations_switches_from_its_example_config():
     for name in bench.ABLATIONS:  # every entry is a valid rsipo config with the agent setting
         recipe, sets = bench.recipe_spec(name, bench.TWX_TWC)
         load_config(None, [*bench.TWX_TWC["sets"], *sets, "init.from_run="], recipe=recipe)
+
+
+def test_benchmark_pins_the_warm_start_by_its_weights(tmp_path):
+    """A warm start retrained later writes a config.toml with keys recursa added since: its id
+    stays the pinned one while the weights are byte-identical, and changes when they differ."""
+    import hashlib
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("rsipo_vs_grpo", REPO / "benchmarks" / "rsipo_vs_grpo.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    ws = tmp_path / "ws"
+    (ws / "checkpoints" / "step_000020").mkdir(parents=True)
+    (ws / "config.toml").write_text('recipe = "sft"\n')
+    (ws / "checkpoints" / "step_000020" / "model.safetensors").write_bytes(b"weights")
+    game = {"warm_start": str(ws), "warm_start_cmd": "recursa train x.toml", "pin": tmp_path / "res" / "g" / "warm_start_pin.json"}
+    first = hashlib.sha256(b'recipe = "sft"\n').hexdigest()[:16]
+    assert bench.warm_start_id(game) == first  # no pin yet: the config's hash
+    bench.pin_warm_start(game)
+    pin = json.loads(game["pin"].read_text())
+    assert pin["config_sha"] == first and pin["weights_sha256"] == hashlib.sha256(b"model.safetensors" + b"weights").hexdigest()
+    (ws / "config.toml").write_text('recipe = "sft"\n[log]\nreport_to = []\n')  # retrained: a newer config dump
+    assert bench.warm_start_id(game) == first
+    (ws / "checkpoints" / "step_000020" / "model.safetensors").write_bytes(b"other weights")
+    assert bench.warm_start_id(game) == hashlib.sha256(b'recipe = "sft"\n[log]\nreport_to = []\n').hexdigest()[:16]
+    bench.pin_warm_start(game)  # an existing pin is never rewritten
+    assert json.loads(game["pin"].read_text()) == pin

@@ -53,6 +53,11 @@ token's clipped surrogate is then weighted by
 is off (w = 1, exactly the loss without the option).
 
 ``logp_old``, ``advantages``, ``logp_ref`` and ``token_weights`` are treated as constants (detached).
+
+The log-ratio logp - logp_old is clamped to [-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP] = [-20, 20]
+before the exponential (as in verl): exp(20) ~ 4.9e8 is far past any clip, so the loss of a
+token inside the range is unchanged, and a token outside it gets a finite loss and a zero
+gradient instead of inf / NaN.
 """
 
 from __future__ import annotations
@@ -75,6 +80,7 @@ __all__ = [
 
 AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_ESTIMATORS: tuple[str, ...] = ("k1", "k3")
+LOG_RATIO_CLAMP = 20.0  # |logp - logp_old| is clamped to this before exp (see the module doc)
 
 Count = Union[int, float, torch.Tensor]
 
@@ -257,7 +263,9 @@ def ppo_clip_loss(
             f"{tuple(logp.shape)}, got {tuple(advantages.shape)}"
         )
 
-    log_ratio = logp - logp_old.detach()  # (B, T)
+    # Clamped before the exponential (as verl does): a log-ratio past +-20 would give inf and
+    # NaN gradients even on tokens the clip discards. Inside the range nothing changes.
+    log_ratio = torch.clamp(logp - logp_old.detach(), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # (B, T)
     ratio = torch.exp(log_ratio)  # (B, T)
     surr_unclipped = ratio * adv  # (B, T)
     surr_clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv  # (B, T)

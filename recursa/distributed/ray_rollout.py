@@ -35,7 +35,8 @@ import numpy as np
 import ray
 import torch
 
-from recursa.envs import EnvPool, env_factory
+from recursa.envs import EnvPool
+from recursa.envs.dataset import task_factory
 from recursa.errors import UserError
 from recursa.generation import generators_from, group_seeds
 from recursa.models import Policy, load_policy
@@ -156,7 +157,7 @@ class RayRollouts:
         self._check_fits()
         device = "cuda" if dc.worker_gpus > 0 else "cpu"
         self.model_cfg = cfg.model.model_copy(update={"device": device})
-        self.envs = env_factory(cfg.env.name, **cfg.env.kwargs)
+        self.envs = task_factory(cfg)  # picklable: a 'pkg.module:attr' / entry-point env or a dataset is rebuilt by name in the worker
         self.threads = max(1, int(dc.worker_cpus))
         frozen = weights_payload(policy.model, trainable=False)
         self.frozen = ray.put(frozen) if frozen else None  # under LoRA the base never changes: shipped once, kept for replacements

@@ -20,6 +20,7 @@ importance-sampling correction (`rollout.tis_cap`).
 
 from __future__ import annotations
 
+import copy
 from typing import Iterable, Iterator, Protocol, runtime_checkable
 
 import torch
@@ -55,28 +56,88 @@ class RolloutEngine(Protocol):
 
 
 class NativeEngine:
-    """recursa's own sampler on the trainer's module: the weights are shared, never copied."""
+    """recursa's own sampler on the trainer's module: the weights are shared, never copied.
+
+    Options (all off by default, which is the sampler exactly as before they existed):
+
+    * `decode_dtype = "bfloat16"` or `"int8"`: sample with a copy of the weights in bfloat16,
+      or with dynamically quantised int8 linear layers (`torch.ao.quantization.quantize_dynamic`,
+      CPU); `load_weights` refreshes the copy from the trainer's weights. The trainer keeps its
+      own dtype and recomputes the log-probs it trains with.
+    * `continuous = True`: multi-turn rollouts use `batcher()` (continuous batching with
+      prompt-prefix reuse, `recursa.engines.continuous`) instead of one `generate` per turn,
+      with at most `max_rows` rows and `prefix_cache_mb` MiB of reusable prompt keys/values.
+    """
 
     name = "native"
 
-    def __init__(self, policy: Policy):
+    def __init__(self, policy: Policy, decode_dtype: str = "model", continuous: bool = False, max_rows: int = 32, prefix_cache_mb: int = 256):
+        if decode_dtype not in ("model", "bfloat16", "int8"):
+            raise ValueError(f"decode_dtype must be 'model', 'bfloat16' or 'int8', got {decode_dtype!r}")
         self.policy = policy
+        self.decode_dtype, self.continuous, self.max_rows, self.prefix_cache_mb = decode_dtype, continuous, max_rows, prefix_cache_mb
+        self._copy = low_precision_copy(policy, decode_dtype) if decode_dtype != "model" else None
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The causal LM that samples: the trainer's own, or the low-precision copy."""
+        return self._copy if self._copy is not None else self.policy.causal_lm
 
     def generate(self, prompts, params, n=1, generator=None, stats=None) -> list[Sample]:
-        return generate(self.policy.causal_lm, self.policy.tokenizer, prompts, params, n=n, generator=generator, stats=stats)
+        return generate(self.module, self.policy.tokenizer, prompts, params, n=n, generator=generator, stats=stats)
+
+    def batcher(self, params: SamplingParams, stats: GenerationStats | None = None, times=None):
+        """A `ContinuousBatcher` on the sampling module (used by `rollout_episodes` when `continuous`)."""
+        from recursa.engines.continuous import ContinuousBatcher
+
+        return ContinuousBatcher(self.module, self.policy.tokenizer, params, max_rows=self.max_rows,
+                                 prefix_cache_bytes=self.prefix_cache_mb << 20, stats=stats, times=times)
 
     def load_weights(self, policy: Policy) -> None:
         if policy is not self.policy:  # a recipe swaps policies only by loading weights into the same one
             self.policy = policy
+        if self._copy is not None:
+            self._copy = low_precision_copy(policy, self.decode_dtype, into=self._copy)
 
     def close(self) -> None:
-        pass
+        self._copy = None
+
+
+def low_precision_copy(policy: Policy, decode_dtype: str, into: torch.nn.Module | None = None) -> torch.nn.Module:
+    """A sampling copy of the policy's causal LM (LoRA adapters merged): bfloat16 weights, or
+    float32 weights with int8 dynamically quantised linear layers. `into`: an earlier bfloat16
+    copy, refreshed in place (an int8 copy is rebuilt: its packed weights are not writable)."""
+    src = policy.causal_lm
+    if decode_dtype == "bfloat16" and into is not None:
+        params = dict(into.named_parameters())
+        with torch.no_grad():
+            for name, tensor in hf_named_weights(policy):
+                params[name].copy_(tensor)
+        return into
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if decode_dtype == "bfloat16" else torch.float32
+    with torch.random.fork_rng(devices=[]):  # the throwaway initialisation leaves torch's global random state alone
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(src.config), torch_dtype=dtype, attn_implementation=src.config._attn_implementation)
+    missing, unexpected = model.load_state_dict(dict(hf_named_weights(policy)), strict=False)
+    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+    if unexpected or set(missing) - tied:
+        raise RuntimeError(f"low-precision copy: weights do not match the model ({sorted(unexpected)[:3]} unexpected, {sorted(set(missing) - tied)[:3]} missing)")
+    model.generation_config = copy.deepcopy(getattr(src, "generation_config", model.generation_config))
+    model.to(policy.device).eval().requires_grad_(False)
+    if decode_dtype == "int8":
+        if policy.device.type != "cpu":
+            raise ValueError("rollout.decode_dtype = 'int8' quantises for the CPU: use 'bfloat16' on a GPU")
+        from torch.ao.quantization import quantize_dynamic
+
+        model = quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+    return model
 
 
 def make_engine(cfg_rollout, policy: Policy) -> RolloutEngine:
     """The engine `cfg_rollout.engine` names (a `RolloutConfig`), holding `policy`'s current weights."""
     if cfg_rollout.engine == "native":
-        return NativeEngine(policy)
+        return NativeEngine(policy, cfg_rollout.decode_dtype, cfg_rollout.continuous, cfg_rollout.max_rows, cfg_rollout.prefix_cache_mb)
     if cfg_rollout.engine == "vllm":
         from recursa.engines.vllm_engine import VLLMEngine
 

@@ -17,6 +17,10 @@ Specs understood by `make_env`:
     rg:<dataset>          a reasoning-gym dataset, e.g. rg:basic_arithmetic
     twx:<game>            a TextWorldExpress game, e.g. twx:coin (recursa.envs.twx)
     textworld:<generator> a generated TextWorld game, e.g. textworld:cooking (recursa.envs.textworld_env)
+    pkg.module:factory    your own env: `factory(**kwargs)` returns an object following `Env`
+                          or `AgentEnv` (imported by module path, so it works in Ray workers)
+    <name>                an env registered by an installed package under the `recursa.envs`
+                          entry-point group, or in this process with `register_env`
 """
 
 from __future__ import annotations
@@ -37,8 +41,10 @@ __all__ = [
     "Env",
     "EnvPool",
     "StepResult",
+    "check_env",
     "env_factory",
     "extract_answer",
+    "resolve_factory",
     "last_number",
     "list_envs",
     "list_reasoning_gym_datasets",
@@ -232,16 +238,36 @@ def match_admissible(action: str, admissible: list[str] | None) -> str | None:
 class EnvPool:
     """Env instances kept for reuse across rollouts. Some adapters are costly to create
     (a TextWorldExpress adapter starts a JVM), so a run creates each instance once and
-    resets it for every new episode. `take(n)` returns n distinct instances."""
+    resets it for every new episode. `take(n)` returns n distinct instances.
 
-    def __init__(self, factory: Callable[[], "Env"]):
+    With `supervision` (recursa.envs.supervise), each instance is a `SupervisedEnv`: a game
+    that crashes or hangs is restarted and its episode fails; `restarts` counts them and
+    `metrics()` reports the count since the last call as env/restarts."""
+
+    def __init__(self, factory: Callable[[], "Env"], supervision=None):
         self.factory = factory
         self.envs: list[Env] = []
+        self.supervision = supervision
+        self.restarts = 0
+        self.failures: list[str] = []  # what each restart was for, oldest first
+        self._reported = 0
 
     def take(self, n: int) -> list["Env"]:
         while len(self.envs) < n:
-            self.envs.append(self.factory())
+            if self.supervision is not None:
+                from recursa.envs.supervise import SupervisedEnv
+
+                self.envs.append(SupervisedEnv(self.factory, self, self.supervision))
+            else:
+                self.envs.append(self.factory())
         return self.envs[:n]
+
+    def metrics(self) -> dict[str, float]:
+        """{"env/restarts": games restarted since the last call} (supervised pools; else {})."""
+        if self.supervision is None:
+            return {}
+        new, self._reported = self.restarts - self._reported, self.restarts
+        return {"env/restarts": float(new)}
 
     def close(self) -> None:
         for env in self.envs:
@@ -266,6 +292,121 @@ _TWX_PREFIX = "twx:"
 _TW_PREFIX = "textworld:"
 _PREFIXES = (_RG_PREFIX, _TWX_PREFIX, _TW_PREFIX)
 _CUSTOM: dict[str, tuple[Callable[..., "Env"], str]] = {}
+
+
+ENTRY_POINT_GROUP = "recursa.envs"
+_FACTORY_SPEC = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
+
+
+def is_factory_spec(spec: str) -> bool:
+    """Whether `spec` names a factory by import path, 'pkg.module:attr' (and not a built-in
+    family such as 'rg:<dataset>')."""
+    return isinstance(spec, str) and not spec.startswith(_PREFIXES) and bool(_FACTORY_SPEC.match(spec.strip()))
+
+
+def entry_point_envs() -> dict[str, str]:
+    """name -> 'pkg.module:attr' of every env an installed package registers under the
+    `recursa.envs` entry-point group (pyproject: [project.entry-points."recursa.envs"])."""
+    from importlib.metadata import entry_points
+
+    out: dict[str, str] = {}
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        out.setdefault(ep.name, ep.value)
+    return out
+
+
+def import_object(target: str, what: str):
+    """The object 'pkg.module:attr' names; a one-line `UserError` naming `what` when the
+    module cannot be imported or lacks the attribute."""
+    import importlib
+
+    module_name, _, attr = target.strip().partition(":")
+    if not module_name or not attr:
+        raise UserError(f"{what} = {target!r}: expected 'package.module:function'")
+    try:
+        obj = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise UserError(f"{what} = {target!r}: cannot import module {module_name!r} ({one_line(exc)}); install the package or put it on PYTHONPATH") from None
+    except Exception as exc:  # the module's own code failed while importing
+        raise UserError(f"{what} = {target!r}: importing {module_name!r} failed: {type(exc).__name__}: {one_line(exc)}") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise UserError(f"{what} = {target!r}: module {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    return obj
+
+
+def resolve_factory(spec: str) -> Callable[..., "Env"] | None:
+    """The user factory `spec` names, or None for a built-in spec: an in-process registration
+    (`register_env`), a 'pkg.module:attr' path, or an entry point of the `recursa.envs` group."""
+    spec = spec.strip()
+    if spec in _CUSTOM:
+        return _CUSTOM[spec][0]
+    if is_factory_spec(spec):
+        factory = import_object(spec, "env.name")
+    elif spec in _BUILTINS or spec.startswith(_PREFIXES):
+        return None
+    else:
+        target = entry_point_envs().get(spec)
+        if target is None:
+            return None
+        factory = import_object(target, f"env.name = {spec!r}: entry point")
+    if not callable(factory):
+        raise UserError(f"env.name = {spec!r} names a {type(factory).__name__} object, not a function or class that builds an env")
+    return factory
+
+
+_ENV_METHODS = ("reset", "step")
+_AGENT_METHODS = ("admissible_actions", "walkthrough")
+
+
+def protocol_gaps(env: Any) -> list[str]:
+    """What `env` lacks to follow `Env` (name, reset(seed), step(action_text)); [] when
+    nothing. An env that has some of `AgentEnv`'s members must have all of them."""
+    gaps = [f"{m}()" for m in _ENV_METHODS if not callable(getattr(env, m, None))]
+    if not isinstance(getattr(env, "name", None), str):
+        gaps.append("a str attribute 'name'")
+    agentish = [m for m in _AGENT_METHODS if callable(getattr(env, m, None))]
+    if agentish:
+        gaps += [f"{m}() (AgentEnv)" for m in _AGENT_METHODS if m not in agentish]
+        gaps += [f"attribute {a!r} (AgentEnv)" for a in ("max_steps", "invalid_penalty") if not hasattr(env, a)]
+    return gaps
+
+
+def check_env(spec: str, kwargs: dict | None = None) -> None:
+    """Config-load check of a user env spec ('pkg.module:attr' or an entry-point name): the
+    factory imports, builds an env with `kwargs`, and the env follows the protocol; else a
+    one-line `UserError` naming what is missing. Built-in and in-process specs are left to
+    `make_env`."""
+    if not isinstance(spec, str) or spec.strip() in _CUSTOM:
+        return
+    factory = resolve_factory(spec)
+    if factory is None:
+        return
+    env = _build(spec, factory, kwargs or {})
+    close = getattr(env, "close", None)
+    if callable(close):
+        close()
+
+
+def _build(spec: str, factory: Callable[..., "Env"], kwargs: dict) -> "Env":
+    try:
+        env = factory(**kwargs)
+    except UserError:
+        raise
+    except TypeError as exc:
+        if kwargs:
+            raise UserError(f"env.name = {spec!r}: the factory does not accept env.kwargs {sorted(kwargs)} ({one_line(exc)})") from None
+        raise UserError(f"env.name = {spec!r}: the factory raised TypeError: {one_line(exc)}") from None
+    except Exception as exc:
+        raise UserError(f"env.name = {spec!r}: the factory raised {type(exc).__name__}: {one_line(exc)}") from None
+    gaps = protocol_gaps(env)
+    if gaps:
+        raise UserError(
+            f"env.name = {spec!r} built a {type(env).__name__} that does not follow recursa's Env protocol: it lacks {', '.join(gaps)} "
+            "(an env needs name, reset(seed) -> str and step(action_text) -> StepResult)"
+        )
+    return env
 
 
 def register_env(name: str, factory: Callable[..., "Env"], description: str = "") -> None:
@@ -305,6 +446,7 @@ def list_reasoning_gym_datasets() -> list[str]:
 def list_envs() -> list[tuple[str, str]]:
     """(spec, one-line description) for every env family `make_env` understands."""
     rows = list(_BUILTINS.items()) + [(k, d) for k, (_, d) in _CUSTOM.items()]
+    rows += [(k, f"entry point ({ENTRY_POINT_GROUP}): {v}") for k, v in sorted(entry_point_envs().items()) if k not in _CUSTOM and k not in _BUILTINS]
     names = list_reasoning_gym_datasets()
     if names:
         rows.append(
@@ -340,6 +482,7 @@ def list_envs() -> list[tuple[str, str]]:
         )
     else:
         rows.append(("textworld:<generator>", "generated TextWorld games (not installed: pip install textworld)"))
+    rows.append(("pkg.module:factory", "your own env: factory(**env.kwargs) returns an object with name, reset(seed), step(action_text)"))
     return rows
 
 
@@ -349,12 +492,21 @@ def env_factory(spec: str, **kwargs: Any) -> Callable[[], Env]:
     (so the worker needs its module importable, not the registration), else `make_env`."""
     if isinstance(spec, str) and spec.strip() in _CUSTOM:
         return functools.partial(_CUSTOM[spec.strip()][0], **kwargs)
-    return functools.partial(make_env, spec, **kwargs)
+    return functools.partial(make_env, spec, **kwargs)  # a 'pkg.module:attr' or entry-point spec is re-imported by name there
 
 
 def make_env(spec: str, **kwargs: Any) -> Env:
     """Build the env named by `spec` ("arithmetic", "rg:<dataset>", "twx:<game>",
-    "textworld:<generator>" or a registered name) with `kwargs`."""
+    "textworld:<generator>", "pkg.module:factory", an entry-point or registered name) with `kwargs`. An option the env does not
+    take, or a value it refuses, is a one-line UserError naming env.kwargs."""
+    try:
+        return _make_env(spec, **kwargs)
+    except (TypeError, ValueError) as exc:
+        raise UserError(f"env {spec!r} cannot be built with kwargs {kwargs!r} ({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}): "
+                        "fix env.kwargs (or --env-arg)") from None
+
+
+def _make_env(spec: str, **kwargs: Any) -> Env:
     if not isinstance(spec, str):
         raise UserError(f"env spec must be a string like 'arithmetic' or 'rg:basic_arithmetic', got {spec!r}")
     spec = spec.strip()
@@ -366,8 +518,9 @@ def make_env(spec: str, **kwargs: Any) -> Env:
         from recursa.envs.household import HouseholdEnv
 
         return HouseholdEnv(**kwargs)
-    if spec in _CUSTOM:
-        return _CUSTOM[spec][0](**kwargs)
+    factory = resolve_factory(spec)  # register_env, 'pkg.module:attr', or a `recursa.envs` entry point
+    if factory is not None:
+        return _build(spec, factory, kwargs) if spec not in _CUSTOM else factory(**kwargs)
     if spec.startswith(_RG_PREFIX):
         if not _reasoning_gym_available():
             raise UserError(f"env {spec!r} needs reasoning-gym; install it with: pip install 'recursa[envs]'")
@@ -382,7 +535,8 @@ def make_env(spec: str, **kwargs: Any) -> Env:
         from recursa.envs.textworld_env import TextWorldEnv
 
         return TextWorldEnv(spec[len(_TW_PREFIX) :].strip(), **kwargs)
-    known = list(_BUILTINS) + list(_CUSTOM) + ["rg:<dataset>", "twx:<game>", "textworld:<generator>"]
-    close = difflib.get_close_matches(spec, list(_BUILTINS) + list(_CUSTOM), n=3, cutoff=0.6)
+    named = list(_BUILTINS) + list(_CUSTOM) + sorted(entry_point_envs())
+    known = named + ["rg:<dataset>", "twx:<game>", "textworld:<generator>", "pkg.module:factory"]
+    close = difflib.get_close_matches(spec, named, n=3, cutoff=0.6)
     hint = f" (did you mean {', '.join(close)}?)" if close else ""
     raise UserError(f"unknown env {spec!r}{hint}; known: {', '.join(known)}; run `recursa envs` to list them")

@@ -15,17 +15,92 @@ import torch
 from recursa.config import dump_config
 from recursa.distributed import ddp
 from recursa.distributed.ddp import SINGLE, DataParallel, SingleProcess
-from recursa.envs import EnvPool, make_env
+from recursa.envs import EnvPool
+from recursa.envs.dataset import task_factory
 from recursa.envs.base import split_seeds
 from recursa.errors import UserError
 from recursa.evaluate import EvalResult, evaluate
 from recursa.generation import sequence_logprobs
 from recursa.models import Policy, count_parameters, load_policy, resolve_device
 from recursa.rollout import is_agent_env
+from recursa.runio import atomic_write_text, fault_point
 from recursa.store import RunStore, finished_checkpoints
+from recursa.tracking import open_trackers
 from recursa.trajectory import TrainBatch
 
 Progress = Callable[[str, int, int], None]  # (phase, done, total)
+
+
+def supervision_of(cfg):
+    """How the run's env pool supervises its games (env.step_timeout, env.max_restarts)."""
+    from recursa.envs.supervise import Supervision
+
+    return Supervision(step_timeout=cfg.env.step_timeout, max_restarts=cfg.env.max_restarts)
+
+
+def memory_estimate(cfg, policy: Policy) -> tuple[int, str]:
+    """A lower bound of the bytes a run needs at once, and what it counts: the weights, their
+    gradients and AdamW's two moments (16 bytes per trainable float32 parameter, the
+    dtype's size for frozen ones), plus the KV cache and float32 logits of the largest
+    generation batch (a step's B x G rollouts or an evaluation batch), each row counted at
+    sampling.max_new_tokens + 256 prompt tokens. Prompts are often longer, so a run under
+    the bound can still run out of memory; one over it cannot fit."""
+    mc = policy.model.config
+    layers = int(getattr(mc, "num_hidden_layers", 0) or 0)
+    heads = int(getattr(mc, "num_attention_heads", 1) or 1)
+    kv_heads = int(getattr(mc, "num_key_value_heads", heads) or heads)
+    head_dim = int(getattr(mc, "head_dim", 0) or (getattr(mc, "hidden_size", 0) // heads))
+    vocab = int(getattr(mc, "vocab_size", 0) or 0)
+    elem = torch.finfo(getattr(torch, cfg.model.dtype)).bits // 8
+    total, trainable = count_parameters(policy.model)
+    weights = trainable * 16 + (total - trainable) * elem
+    b = getattr(cfg.train, "prompts_per_step", None) or getattr(getattr(cfg, "rft", None), "tasks_per_round", 0) or 0
+    g = getattr(cfg.train, "group_size", None) or getattr(getattr(cfg, "rft", None), "group_size", 1) or 1
+    rows = max(b * g, cfg.eval.batch_size if cfg.eval.n else 0)
+    tokens = cfg.sampling.max_new_tokens + 256
+    kv = rows * tokens * 2 * layers * kv_heads * head_dim * elem
+    logits = rows * vocab * 4
+    need = weights + kv + logits
+    what = (f"{rows} rows x {tokens} tokens of KV cache ({kv / 2**30:.1f} GiB) + logits ({logits / 2**30:.1f} GiB) + weights, "
+            f"gradients and optimizer state ({weights / 2**30:.1f} GiB)")
+    return need, what
+
+
+def check_memory(cfg, policy: Policy) -> None:
+    """Refuse (UserError) a run whose `memory_estimate` exceeds the device's whole memory
+    (a GPU's, or the machine's RAM on the CPU)."""
+    import os
+
+    need, what = memory_estimate(cfg, policy)
+    if policy.device.type == "cuda":
+        have = torch.cuda.get_device_properties(policy.device).total_memory
+        where = f"{policy.device}'s memory"
+    else:
+        try:
+            have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return
+        where = "this machine's RAM"
+    if need > have:
+        raise UserError(
+            f"this run needs at least {need / 2**30:.1f} GiB ({what}), more than {where} ({have / 2**30:.1f} GiB): lower "
+            "train.prompts_per_step x train.group_size, eval.batch_size or sampling.max_new_tokens"
+        )
+
+
+def check_finite(step: int, **values) -> None:
+    """Stop the run with a one-line UserError naming the step when a value (a tensor or a
+    number: advantages, a teacher's scale, the loss, the gradient norm) is NaN or infinite,
+    before it reaches the weights of a checkpoint. Costs one host sync per value."""
+    import math
+
+    for name, value in values.items():
+        ok = bool(torch.isfinite(value).all()) if isinstance(value, torch.Tensor) else math.isfinite(float(value))
+        if not ok:
+            raise UserError(
+                f"step {step}: {name} is NaN or infinite, so training stopped before writing it into any checkpoint: lower train.lr "
+                "(or raise train.max_grad_norm's strictness), check the env's rewards, then resume from the last checkpoint with --resume"
+            )
 
 
 def step_generator(seed: int, step: int) -> torch.Generator:
@@ -68,7 +143,7 @@ def init_weights_dir(cfg) -> Path | None:
     run = Path(cfg.init.from_run)
     if not (run / "config.toml").exists():
         raise UserError(f"init.from_run = {str(run)!r}: no run there (no config.toml); train it first, e.g. recursa train examples/twx_twc_sft.toml")
-    source = load_config(run / "config.toml")
+    source = load_config(run / "config.toml", check=False)
     if source.model.name != cfg.model.name:
         raise UserError(f"init.from_run = {str(run)!r} trained model {source.model.name!r}, but this config uses {cfg.model.name!r}: set model.name to match")
     done = finished_checkpoints(run)
@@ -118,14 +193,33 @@ def open_run(cfg, out: Path, resume: bool, log: Callable[[str], None], kl_refere
     resolve_device(cfg.model.device)  # a GPU asked for and missing fails here, before the run directory is touched
     torch.set_num_threads(cfg.run.threads)
     torch.manual_seed(cfg.train.seed)
-    pool = EnvPool(lambda: make_env(cfg.env.name, **cfg.env.kwargs))
+    pool = EnvPool(task_factory(cfg), supervision=supervision_of(cfg))  # env.name or the [data] rows; crashed / hung games are restarted
     multi_turn = is_agent_env(pool.take(1)[0])
     init_dir = init_weights_dir(cfg)
-    store = RunStore(out, tensorboard=cfg.run.tensorboard)
-    ckpt = store.latest_checkpoint() if resume else None
-    if not resume:
-        (out / "config.toml").write_text(dump_config(cfg))
+    store = RunStore(out, keep_last=cfg.run.keep_last)  # takes the run directory's lock
+    try:
+        store.trackers = open_trackers(cfg, out)  # opened once the directory is ours
+        return _open_store(cfg, out, resume, log, kl_reference, detail, pool, multi_turn, init_dir, store)
+    except BaseException:
+        store.close()  # the run directory's lock is released; nothing half-opened stays behind
+        pool.close()
+        raise
+
+
+def _open_store(cfg, out: Path, resume: bool, log: Callable[[str], None], kl_reference: bool, detail: str, pool: EnvPool, multi_turn: bool,
+                init_dir: Path | None, store: RunStore) -> OpenedRun:
+    """The rest of `open_run`, once the run store is open (and locked)."""
+    if store.lock.stale:
+        log(f"took over the lock of {out} from pid {store.lock.stale.get('pid')}, which is no longer running")
+    ckpt = None
+    if resume:
+        store.reconcile(log)  # ledger, checkpoints and evaluations agree again after any crash
+        ckpt = store.resume_checkpoint(log)  # a corrupt latest checkpoint falls back to the previous good one
+    else:
+        atomic_write_text(out / "config.toml", dump_config(cfg))
+        fault_point("config.written")
     policy = load_policy(cfg.model, weights_dir=ckpt, base_dir=init_dir)
+    check_memory(cfg, policy)  # refuse what cannot fit before the first step, not hours into it
     if kl_reference:
         if ckpt is not None and not policy.is_lora:
             init = load_policy(cfg.model, base_dir=init_dir)
@@ -165,6 +259,13 @@ def eval_before(run: OpenedRun, cfg, progress: Progress | None, log: Callable[[s
         log(f"before: success {r.success_rate:.3f} [{r.ci95[0]:.3f}, {r.ci95[1]:.3f}] on {r.n} {cfg.eval.split} items")
 
 
+def eval_items(pool: EnvPool, split: str, n: int) -> int:
+    """n, or fewer when the task has fewer items in `split` (a dataset's rows, `num_items`):
+    an evaluation never scores the same row twice."""
+    num_items = getattr(pool.take(1)[0], "num_items", None)
+    return min(n, num_items(split)) if callable(num_items) else n
+
+
 def run_eval(policy: Policy, cfg, pool: EnvPool, store: RunStore, step: int, label: str, progress: Progress | None, gate=None,
              hints: Hints | None = None, prefix: str = "eval", engine=None) -> EvalResult:
     """Greedy held-out evaluation; writes eval/<label>.json, the ledger row and <prefix>/* metrics
@@ -173,13 +274,14 @@ def run_eval(policy: Policy, cfg, pool: EnvPool, store: RunStore, step: int, lab
     test look. With `hints`, each item is shown the hint it gives for the item's seed. `engine`
     decodes (None: native), holding `policy`'s current weights."""
     ec = cfg.eval
-    seeds = split_seeds(ec.split, ec.n)
+    n = eval_items(pool, ec.split, ec.n)
+    seeds = split_seeds(ec.split, n)
     result = evaluate(
         policy,
         pool,
         cfg.env.name,
         ec.split,
-        ec.n,
+        n,
         ec.max_new_tokens or cfg.sampling.max_new_tokens,
         cfg.model.system_prompt or None,
         batch_size=ec.batch_size,
@@ -192,17 +294,17 @@ def run_eval(policy: Policy, cfg, pool: EnvPool, store: RunStore, step: int, lab
         engine=engine,
     )
     path = store.path / "eval" / f"{label}.json"
-    result.save(path)
-    store.record_eval(step, label, result, path)
     before = store.path / "eval" / "before.json"
+    look = None
     if gate is not None and label != "before" and before.exists():
-        gate.look(step, label, EvalResult.load(before), result)
+        look = lambda: gate.look(step, label, EvalResult.load(before), result)  # noqa: E731
     lo, hi = result.ci95
     p = prefix
-    store.log_metrics(step, {
+    metrics = {
         f"{p}/success_rate": result.success_rate, f"{p}/ci95_lo": lo, f"{p}/ci95_hi": hi, f"{p}/mean_reward": result.mean_reward,
         f"{p}/mean_steps": result.mean_steps, f"{p}/invalid_rate": result.invalid_rate, f"{p}/n": result.n, f"time/{p}_s": result.seconds,
-    })
+    }
+    store.save_eval(step, label, result, path, metrics, before_commit=look)  # file, ledger row, look and metrics, crash-safe
     return result
 
 

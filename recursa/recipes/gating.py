@@ -41,6 +41,7 @@ from recursa.gate import GateConfig, binary_gate, fresh_gate_seeds
 from recursa.lineage import Lineage
 from recursa.models import Policy, restore_weights
 from recursa.stats import paired_compare
+from recursa.skills.sanitize import sanitize
 from recursa.store import RunStore, load_optimizer, write_weights
 
 
@@ -63,6 +64,12 @@ class WeightsGate:
         the weights published whenever a round swaps them."""
         gc = cfg.gate
         self.cfg, self.store, self.pool, self.log, self.hints, self.engine = cfg, store, pool, log, hints, engine
+        num_items = getattr(pool.take(1)[0], "num_items", None)  # a finite task (a dataset's rows)
+        if callable(num_items) and gc.n > num_items("gate"):
+            raise UserError(
+                f"gate.n = {gc.n}, but the task has {num_items('gate')} gate items: a round would score some twice, which the paired test "
+                "counts as independent evidence; lower gate.n, or give the gate more rows (data.gate_frac, data.split_key)"
+            )
         self.gate_cfg = gate_config(gc)
         self.lineage = Lineage(store.db)
         self.lineage.truncate_after(start_step)  # a resumed run forgets rounds after its checkpoint
@@ -206,7 +213,7 @@ class PromptGate:
         if not lineage.candidates("prompt"):
             lineage.root("prompt", _squash(self.text, 80), {"text": self.text}, step=0)
         if gc.mode == "gate":
-            self._apply(lineage.incumbent("prompt").payload["text"])  # the admitted prompt, also after a resume
+            self._apply(sanitize(str(lineage.incumbent("prompt").payload["text"]), one_line=False))  # the admitted prompt, also after a resume
 
     @property
     def text(self) -> str:

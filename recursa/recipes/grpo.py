@@ -5,6 +5,7 @@
         rollout    -> B x G trajectories (token ids, action masks, sampler log-probs, rewards);
                       for multi-turn games B x G episodes, one training row per turn; played
                       in this process or on Ray workers (`distributed`, recursa/distributed/)
+        rewards    <- the env's reward, or the weighted sum of the [[reward]] functions (recursa/rewards.py)
         advantages <- estimator(rewards  # (B, G))            grpo | dr_grpo | rloo | reinforce_pp | gopo
                       (+ GiGPO's step term per turn, for games)
         update     <- epochs x mini-batches of PPO-clip, micro-batched with gradient accumulation,
@@ -44,8 +45,9 @@ from recursa.engines import make_engine
 from recursa.envs import split_seed
 from recursa.generation import SamplingParams, prefix_lengths, sequence_logprobs, shared_prefix_logprobs
 from recursa.models import Policy
-from recursa.recipes.common import Progress, eval_before, lr_at, open_run, run_eval, step_generator
+from recursa.recipes.common import Progress, check_finite, eval_before, lr_at, open_run, run_eval, step_generator
 from recursa.recipes.gating import PromptGate, WeightsGate
+from recursa.rewards import RewardSet, score_episodes, score_trajectories
 from recursa.trajectory import Episode, TrainBatch, Trajectory, collate
 
 def train_seeds(cfg: GRPOConfig, step: int) -> list[int]:
@@ -343,13 +345,14 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
     eval_before(run, cfg, progress, log, engine=engine)
 
     sampling = SamplingParams(cfg.sampling.max_new_tokens, cfg.sampling.temperature, cfg.sampling.top_p, tuple(cfg.sampling.stop))
+    reward_set = RewardSet.from_config(cfg.reward)  # None: the env's reward alone
     B, G = cfg.train.prompts_per_step, cfg.train.group_size
     for step in range(start_step, cfg.train.steps):
         t0 = time.perf_counter()
         gen = step_generator(cfg.train.seed, step)
         seeds = train_seeds(cfg, step)
         system_prompt = cfg.model.system_prompt or None
-        episode_metrics = {}
+        episode_metrics, reward_metrics = {}, {}
         if multi_turn:
             # Multi-turn: the group is the G episodes of one game seed; the episode's
             # advantage is broadcast over every action token of every turn (+ GiGPO's
@@ -357,7 +360,12 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
             ero = rollouts.episodes(seeds, G, sampling, gen, system_prompt, cfg.agent)
             episodes, gen_stats = ero.episodes, ero.stats
             t1 = time.perf_counter()
-            rewards = torch.tensor([e.total_reward for e in episodes], dtype=torch.float32, device="cpu").view(B, G)  # (B, G)
+            totals = [e.total_reward for e in episodes]
+            if reward_set is not None:  # [[reward]]: each function scores the episode's action transcript at its end
+                scored = score_episodes(reward_set, episodes)
+                totals, reward_metrics = scored.totals, scored.metrics
+            rewards = torch.tensor(totals, dtype=torch.float32, device="cpu").view(B, G)  # (B, G)
+            check_finite(step + 1, rewards=rewards)  # an env's NaN reward is named, never trained on
             advantages = compute_advantages(cfg.algo.advantage, rewards)  # (B, G)
             trajs, row_advantages, episode_metrics = episode_rows(episodes, advantages, cfg)
             failures.extend((f"{e.task} {e.turns[-1].observation}", " | ".join(t.action for t in e.turns[-3:])) for e in episodes if not e.won and e.turns)
@@ -365,12 +373,17 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
             ro = rollouts.rollout(seeds, G, sampling, gen, system_prompt)
             trajs, gen_stats = ro.trajectories, ro.stats
             t1 = time.perf_counter()
+            if reward_set is not None:  # [[reward]]: each trajectory's reward becomes the weighted sum
+                reward_metrics = score_trajectories(reward_set, trajs).metrics
             rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32, device="cpu").view(B, G)  # (B, G)
+            check_finite(step + 1, rewards=rewards)  # an env's NaN reward is named, never trained on
             advantages = compute_advantages(cfg.algo.advantage, rewards)  # (B, G)
             row_advantages = advantages.view(-1)
             failures.extend((t.prompt_text, t.completion_text) for t in trajs if not t.success)
+        check_finite(step + 1, advantages=row_advantages)
         batch = collate(trajs, row_advantages, policy.tokenizer.pad_token_id, policy.device)
         st = update(policy, optimizer, batch, cfg, gen, opt_step, learner=run.learner)
+        check_finite(step + 1, loss=st.loss, grad_norm=st.grad_norm)
         opt_step += st.opt_steps
         tp = time.perf_counter()
         engine.load_weights(policy)
@@ -383,6 +396,7 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
             **episode_metrics,
             "reward/mean": rewards.mean().item(),
             "reward/std": rewards.std().item(),
+            **reward_metrics,
             "reward/success_rate": sum(t.success for t in trajs) / len(trajs),
             "reward/zero_std_groups": zero_var.item(),
             "advantage/abs_mean": advantages.abs().mean().item(),
@@ -396,6 +410,7 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
             "throughput/gen_tokens_per_s": gen_stats.generated_tokens / max(t1 - t0, 1e-9),
             "throughput/tokens_per_s": (prompt_tokens + lengths.sum().item()) / max(t2 - t0, 1e-9),
             **rollouts.metrics(),
+            **pool.metrics(),  # env/restarts: games that crashed or hung this step
         }
         store.log_metrics(step + 1, metrics)
         store.log_samples(step + 1, [

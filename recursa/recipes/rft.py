@@ -44,6 +44,7 @@ from recursa.engines import make_engine
 from recursa.envs import split_seed
 from recursa.generation import SamplingParams
 from recursa.recipes.common import (
+    check_finite,
     eval_before,
     open_run,
     Progress,
@@ -164,6 +165,7 @@ def finetune(policy, optimizer, rows: list[Trajectory], cfg: RFTConfig, gen: tor
             chosen = [rows[int(i)] for i in idx]
             st = supervised_step(policy, optimizer, collate(chosen, torch.zeros(len(chosen), device="cpu"), pad, policy.device), cfg, opt_step, learner)
             opt_step += 1
+            check_finite(opt_step, loss=st.loss, grad_norm=st.grad_norm)
             losses.append(st.loss)
     return opt_step, (sum(losses) / len(losses) if losses else float("nan"))
 
@@ -236,6 +238,7 @@ def train(cfg: RFTConfig, out: Path, resume: bool = False, progress: Progress | 
             "time/update_s": t2 - t1,
             "time/step_s": t2 - t0,
             **rollouts.metrics(),
+            **pool.metrics(),  # env/restarts: games that crashed or hung this step
         }
         store.log_metrics(rnd + 1, metrics)
         store.log_samples(rnd + 1, [{"seed": a.seed, "completion": a.key, "reward": a.reward} for a in kept[: cfg.run.log_samples]])

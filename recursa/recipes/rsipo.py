@@ -114,8 +114,9 @@ from recursa.envs import EnvPool, system_prompt_of
 from recursa.generation import GenerationStats, SamplingParams, generate, sequence_logprobs, shared_prefix_logprobs
 from recursa.models import Policy
 from recursa.distributed.rollouts import LocalRollouts, RolloutBackend, make_rollouts
-from recursa.recipes.common import Progress, eval_before, open_run, run_eval, step_generator
+from recursa.recipes.common import Progress, check_finite, eval_before, open_run, run_eval, step_generator
 from recursa.recipes.gating import SkillGate, WeightsGate
+from recursa.rewards import RewardSet, score_episodes, score_trajectories
 from recursa.recipes.grpo import Imitation, UpdateStats, episode_rows, train_seeds, update, update_metrics
 from recursa.rollout import render_prompt, rollout, rollout_episodes, with_hint
 from recursa.skills import (
@@ -646,25 +647,36 @@ class Played:
 
 
 def play(policy: Policy, pool: EnvPool, seeds: list[int], shown: list[str | None] | None, sampling: SamplingParams, gen: torch.Generator,
-         system: str | None, cfg: RSIPOConfig, multi_turn: bool, step: int, rollouts: RolloutBackend | None = None) -> Played:
+         system: str | None, cfg: RSIPOConfig, multi_turn: bool, step: int, rollouts: RolloutBackend | None = None,
+         reward_set: RewardSet | None = None) -> Played:
     """B x G attempts of the step's tasks (`shown`: the in-context skill of each task, or None)
     and their outcome advantages, as GRPO computes them; `rollouts` plays them (None: this
-    process, the native sampler)."""
+    process, the native sampler); `reward_set`: the [[reward]] functions (None: the env's reward)."""
     rollouts = rollouts or LocalRollouts(policy, pool)
     B, G = cfg.train.prompts_per_step, cfg.train.group_size
     metrics = {}
     if multi_turn:
         ero = rollouts.episodes(seeds, G, sampling, gen, system, cfg.agent, hints=shown)
         gen_stats = ero.stats
-        rewards = torch.tensor([e.total_reward for e in ero.episodes], dtype=torch.float32, device="cpu").view(B, G)  # (B, G)
+        totals = [e.total_reward for e in ero.episodes]
+        if reward_set is not None:
+            scored = score_episodes(reward_set, ero.episodes)
+            totals = scored.totals
+            metrics.update(scored.metrics)
+        rewards = torch.tensor(totals, dtype=torch.float32, device="cpu").view(B, G)  # (B, G)
+        check_finite(step, rewards=rewards)  # an env's NaN reward is named, never trained on
         advantages = compute_advantages(cfg.algo.advantage, rewards)  # (B, G)
-        rows, row_adv, metrics = episode_rows(ero.episodes, advantages, cfg)  # one row per turn
+        rows, row_adv, episode_metrics = episode_rows(ero.episodes, advantages, cfg)  # one row per turn
+        metrics.update(episode_metrics)
         attempts = episode_attempts(ero.episodes, step, cfg.agent, shown)
     else:
         ro = rollouts.rollout(seeds, G, sampling, gen, system, hints=shown)
         gen_stats = ro.stats
         rows = ro.trajectories
+        if reward_set is not None:
+            metrics.update(score_trajectories(reward_set, rows).metrics)
         rewards = torch.tensor([t.reward for t in rows], dtype=torch.float32, device="cpu").view(B, G)  # (B, G)
+        check_finite(step, rewards=rewards)  # an env's NaN reward is named, never trained on
         advantages = compute_advantages(cfg.algo.advantage, rewards)  # (B, G)
         row_adv = advantages.view(-1)
         attempts = completion_attempts(rows, step, shown)
@@ -731,7 +743,8 @@ def hatch_hints(policy: Policy, played: Played, groups: list[int], library: Skil
 
 
 def hinted_rerolls(policy: Policy, pool: EnvPool, played: Played, seeds: list[int], shown: list[str | None] | None, library: SkillLibrary,
-                   sampling: SamplingParams, gen: torch.Generator, cfg: RSIPOConfig, system: str | None, multi_turn: bool, step: int) -> HintedStep:
+                   sampling: SamplingParams, gen: torch.Generator, cfg: RSIPOConfig, system: str | None, multi_turn: bool, step: int,
+                   reward_set: RewardSet | None = None) -> HintedStep:
     """hatch: re-roll k attempts of each all-fail group with a hint, score their action tokens
     with and without it, and make rows under the un-hinted prompt with the advantage of
     `recursa.algorithms.hinted` (step: 0 for the first step, for the annealing)."""
@@ -749,9 +762,11 @@ def hinted_rerolls(policy: Policy, pool: EnvPool, played: Played, seeds: list[in
         episodes = rollout_episodes(policy, pool, re_seeds, k, sampling, gen, system, cfg.agent, hints=re_hints).episodes
         attempts = episode_attempts(episodes, step + 1, cfg.agent, bare)
         hinted_prompts = [[t.prompt_ids for t in e.turns] for e in episodes]
-        rewards = [e.total_reward for e in episodes]
+        rewards = [e.total_reward for e in episodes] if reward_set is None else score_episodes(reward_set, episodes).totals
     else:
         trajs = rollout(policy, pool, re_seeds, k, sampling, gen, system, hints=re_hints).trajectories
+        if reward_set is not None:  # the re-rolls are scored like the step's own attempts
+            score_trajectories(reward_set, trajs)
         attempts = completion_attempts(trajs, step + 1, bare)
         hinted_prompts = [[t.token_ids[: t.action_mask.index(1)] if 1 in t.action_mask else t.token_ids] for t in trajs]
         rewards = [t.reward for t in trajs]
@@ -1119,6 +1134,7 @@ def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress 
     eval_before(run, cfg, progress, log, hints=hints_for, engine=engine)
 
     sampling = SamplingParams(cfg.sampling.max_new_tokens, cfg.sampling.temperature, cfg.sampling.top_p, tuple(cfg.sampling.stop))
+    reward_set = RewardSet.from_config(cfg.reward)  # None: the env's reward alone
     for step in range(run.start_step, cfg.train.steps):
         times = [time.perf_counter()]
         gen = step_generator(cfg.train.seed, step)
@@ -1126,7 +1142,7 @@ def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress 
         shown = hints_for(seeds) if hints_for is not None else None  # (B,) the skill hint in each task's prompts, or None
 
         # ---- rollout and outcome advantages (as GRPO); the attempts join the replay buffer
-        played = play(policy, pool, seeds, shown, sampling, gen, system, cfg, multi_turn, step + 1, rollouts)
+        played = play(policy, pool, seeds, shown, sampling, gen, system, cfg, multi_turn, step + 1, rollouts, reward_set)
         buffer.extend(played.attempts)
         store.append_jsonl("replay", step + 1, [a.to_json() for a in played.attempts])
         routes = group_routes(played.success)  # (B,) all_fail / mixed / all_win
@@ -1145,7 +1161,7 @@ def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress 
         times.append(time.perf_counter())
 
         # ---- all-fail groups: hinted re-rolls (hatch); all-win groups: stored successes (route)
-        hinted = hinted_rerolls(policy, pool, played, seeds, shown, library, sampling, gen, cfg, system, multi_turn, step) if cfg.hatch.enabled else HintedStep()
+        hinted = hinted_rerolls(policy, pool, played, seeds, shown, library, sampling, gen, cfg, system, multi_turn, step, reward_set) if cfg.hatch.enabled else HintedStep()
         wins = win_rows(policy, list(buffer), routes, cfg, system, gen)
         times.append(time.perf_counter())
 
@@ -1157,14 +1173,16 @@ def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress 
 
         # ---- token advantages, then one update on the policy, writing, hinted and win rows
         imitation, shares, extra = set_advantages(batch, played, skills, hinted, wins, taught, cfg)
+        check_finite(step + 1, **{"advantages (outcome x teacher scale)": batch.advantages})
         st = update(policy, optimizer, batch, cfg, gen, opt_step, imitation, learner=run.learner)
+        check_finite(step + 1, loss=st.loss, grad_norm=st.grad_norm)
         opt_step += st.opt_steps
         episodes += len(played.attempts) + hinted.episodes
         engine.load_weights(policy)  # the rollout engine samples the next step with the new weights
         times.append(time.perf_counter())
 
         metrics = {**step_metrics(played, skills, hinted, wins, taught, shares, extra, routes, st, len(batch), cfg, opt_step, episodes, times),
-                   **rollouts.metrics()}
+                   **rollouts.metrics(), **pool.metrics()}
         store.log_metrics(step + 1, metrics)
         store.log_samples(step + 1, [
             {"seed": t.seed, "prompt": t.prompt_text, "completion": t.completion_text, "reward": t.reward, "advantage": float(played.row_adv[i])}

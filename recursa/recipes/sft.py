@@ -34,6 +34,7 @@ from recursa.demos import build_demos
 from recursa.engines import make_engine
 from recursa.errors import UserError
 from recursa.recipes.common import (
+    check_finite,
     eval_before,
     open_run,
     Progress,
@@ -43,6 +44,7 @@ from recursa.recipes.common import (
     step_generator,
     supervised_step,
 )
+from recursa.runio import atomic_write_text
 from recursa.trajectory import collate
 
 
@@ -56,7 +58,7 @@ def train(cfg: SFTConfig, out: Path, resume: bool = False, progress: Progress | 
     if not demos.rows:
         raise UserError(f"no demonstrations to learn from: {demos.summary()}")
     log(f"demonstrations: {demos.summary()} ({time.perf_counter() - t0:.1f}s)")
-    (out / "demos.json").write_text(json.dumps({
+    atomic_write_text(out / "demos.json", json.dumps({
         "source": demos.source, "rows": len(demos.rows), "items": demos.items, "target_tokens": demos.target_tokens,
         "tokens": sum(len(r.token_ids) for r in demos.rows), "dropped": dict(demos.dropped),
         "seeds": sorted({r.seed for r in demos.rows}),
@@ -78,6 +80,7 @@ def train(cfg: SFTConfig, out: Path, resume: bool = False, progress: Progress | 
             batch = collate(chosen, torch.zeros(len(chosen), device="cpu"), pad, policy.device)
             st = supervised_step(policy, optimizer, batch, cfg, opt_step, learner=run.learner)
             opt_step += 1
+            check_finite(opt_step, loss=st.loss, grad_norm=st.grad_norm)
             dt = time.perf_counter() - t1
             losses.append(st.loss)
             tokens = int(batch.attention_mask.sum())

@@ -33,6 +33,8 @@ import sqlite3
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from recursa.skills.sanitize import sanitize
+
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS skills (
   id INTEGER PRIMARY KEY, lineage INTEGER NOT NULL, version INTEGER NOT NULL,
@@ -167,6 +169,7 @@ class SkillLibrary:
         its parent's lineage and supersedes the versions before it; a removed skill
         cannot be edited (ValueError).
         """
+        text = sanitize(text)  # no control characters, escapes or chat special tokens reach a prompt or a terminal
         norm = normalise(text)
         if not norm:
             raise ValueError("a skill needs a non-empty text")
@@ -221,8 +224,12 @@ class SkillLibrary:
         return [asdict(s) for s in self.all()]
 
     def restore(self, snapshot: list[dict]) -> None:
-        """Replace the whole table with `snapshot` (from `snapshot()`), in one transaction."""
-        skills = sorted((Skill(**row) for row in snapshot), key=lambda s: s.id)
+        """Replace the whole table with `snapshot` (from `snapshot()`), in one transaction.
+        Each text is sanitised as `add` does (a snapshot may come from someone else's run)."""
+        try:
+            skills = sorted((Skill(**{**row, "text": sanitize(str(row["text"]))}) for row in snapshot), key=lambda s: s.id)
+        except (TypeError, KeyError, AttributeError) as exc:
+            raise ValueError(f"not a skill library snapshot ({type(exc).__name__}: {exc})") from None
         lineage: dict[int, int] = {}
         with self.db:
             self.db.execute("DELETE FROM skills")

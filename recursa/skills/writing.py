@@ -32,6 +32,8 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 
+from recursa.skills.sanitize import has_special_token, strip_controls
+
 MARKER = "SKILL:"
 MIN_WORDS = 3  # "Check every drawer." is about the shortest useful rule
 MAX_NON_ASCII = 0.1  # fraction of non-space characters; the games are in English
@@ -221,12 +223,14 @@ def parse_skill(reply: str, max_words: int, max_chars: int) -> ParsedSkill:
     The rule is the text after the first `SKILL:` marker (case-insensitive, also
     "Skill 1:" or "**SKILL:**"), else the reply's first line (see `_rule_line`), with
     bullets, quotes, markdown emphasis and typographic quotes cleaned away and
-    whitespace collapsed.  It is never shortened: a rule over `max_words` words stays
+    whitespace collapsed; escape sequences and control characters are removed first, and a
+    rule holding a chat special token written as text (``<|im_end|>``) is rejected as
+    "special_token" (see `recursa.skills.sanitize`).  It is never shortened: a rule over `max_words` words stays
     valid with `over_length` > 0 (the caller penalises it); one over `max_chars`
     characters, the hard cap, is rejected as "too_long".
     """
-    line = _clean(_rule_line(reply if isinstance(reply, str) else ""))
-    reason = _rejection(line, max_chars)
+    line = _clean(_rule_line(strip_controls(reply if isinstance(reply, str) else "", one_line=False)))
+    reason = "special_token" if has_special_token(line) else _rejection(line, max_chars)
     if reason is not None:
         return ParsedSkill(None, False, reason)
     words = len(line.split())

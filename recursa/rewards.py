@@ -1,0 +1,167 @@
+"""Your own rewards: `[[reward]]` entries, each a function, a weight and a name.
+
+    def brevity(prompts, completions, **fields):          # fields: lists aligned with completions
+        return [1.0 - len(c) / 200 for c in completions]    # None for an item the reward does not apply to
+
+    [[reward]]
+    func = "my_rewards:brevity"
+    weight = 0.1
+
+A reward function has the signature `fn(prompts, completions, **item_fields) -> list[float | None]`:
+one call per training step over every sampled completion (B x G), `prompts[i]` and
+`completions[i]` as text, and each item field as a list aligned with them. Item fields:
+
+    seed        the task's seed (its split and index)
+    answer      the env's reference answer ("" when it has none)
+    success     whether the env counted the attempt as solved
+    env_reward  the env's own reward
+    <column>    every column of a [data] row other than the prompt (datasets only)
+
+The training reward of an attempt is the weighted sum over the entries,
+
+    R = sum_k w_k r_k      (an entry whose r_k is None does not apply and adds nothing)
+
+and the env's own reward is the entry named `env`: it is there with weight 1 unless an
+entry `func = "env"` gives it another weight (0 drops it). Every entry is logged as
+`reward/<name>/mean` (over the items it applied to) beside `reward/mean`, the mean of R.
+
+Multi-turn games: a reward function is called once per episode, at its end, with
+`prompts[i]` the episode's task line and `completions[i]` its action transcript (the
+actions sent to the game, one per line); R replaces the episode's total env reward in the
+outcome advantage (GiGPO's step term still reads the env's per-turn rewards).
+
+Evaluations and the gate always measure the env's success rate: rewards shape training,
+they do not redefine what solving a task means.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from recursa.errors import UserError
+
+ENV = "env"
+
+
+def call_reward(fn: Callable, name: str, prompts: list[str], completions: list[str], fields: dict[str, list]) -> list[float | None]:
+    """`fn(prompts, completions, **fields)` checked: a list of len(completions) floats or
+    None; anything else (or an exception) is a one-line `UserError` naming the function."""
+    try:
+        out = fn(prompts, completions, **fields)
+    except UserError:
+        raise
+    except Exception as exc:
+        raise UserError(f"reward function {name!r} raised {type(exc).__name__}: {' '.join(str(exc).split())[:200]}") from None
+    try:
+        out = list(out)
+    except TypeError:
+        raise UserError(f"reward function {name!r} returned {type(out).__name__}, expected a list of float | None, one per completion") from None
+    if len(out) != len(completions):
+        raise UserError(f"reward function {name!r} returned {len(out)} values for {len(completions)} completions: return one float (or None) per completion")
+    values: list[float | None] = []
+    for i, v in enumerate(out):
+        if v is None:
+            values.append(None)
+            continue
+        if not isinstance(v, (int, float)) and not hasattr(v, "__float__"):
+            raise UserError(f"reward function {name!r} returned {v!r} (a {type(v).__name__}) for completion {i}: return a float or None")
+        f = float(v)
+        if not math.isfinite(f):
+            raise UserError(f"reward function {name!r} returned {f} for completion {i}: rewards must be finite (None means 'does not apply')")
+        values.append(f)
+    return values
+
+
+@dataclass
+class RewardTerm:
+    name: str
+    func: str  # "pkg.module:function" or "env"
+    weight: float
+    fn: Callable | None  # None for the env's own reward
+
+
+@dataclass
+class Scored:
+    totals: list[float]  # R per item
+    metrics: dict[str, float]  # reward/<name>/mean (+ reward/<name>/applied when an entry skipped items)
+
+
+class RewardSet:
+    """The weighted sum of a config's [[reward]] entries (see the module docstring)."""
+
+    def __init__(self, terms: list[RewardTerm]):
+        self.terms = terms
+
+    @classmethod
+    def from_config(cls, entries) -> "RewardSet | None":
+        """The set of `cfg.reward` entries, or None when there are none (the env's reward alone,
+        exactly as without this module)."""
+        if not entries:
+            return None
+        from recursa.envs.base import import_object
+
+        terms = [RewardTerm(e.name or _default_name(e.func), e.func, e.weight, None if e.func == ENV else import_object(e.func, "reward.func"))
+                 for e in entries]
+        if not any(t.func == ENV for t in terms):
+            terms.insert(0, RewardTerm(ENV, ENV, 1.0, None))
+        names = [t.name for t in terms]
+        dup = next((n for n in names if names.count(n) > 1), None)
+        if dup is not None:
+            raise UserError(f"two [[reward]] entries are named {dup!r}: give each a distinct name")
+        for t in terms:
+            if t.fn is not None and not callable(t.fn):
+                raise UserError(f"reward.func = {t.func!r} is a {type(t.fn).__name__}, not a function")
+        return cls(terms)
+
+    def score(self, prompts: list[str], completions: list[str], env_rewards: list[float], fields: dict[str, list]) -> Scored:
+        """R for every item and the per-entry metrics."""
+        n = len(completions)
+        totals = [0.0] * n
+        metrics: dict[str, float] = {}
+        for t in self.terms:
+            values = list(env_rewards) if t.fn is None else call_reward(t.fn, t.name, prompts, completions, fields)
+            applied = [v for v in values if v is not None]
+            for i, v in enumerate(values):
+                if v is not None:
+                    totals[i] += t.weight * v
+            metrics[f"reward/{t.name}/mean"] = sum(applied) / len(applied) if applied else float("nan")
+            if len(applied) < n:
+                metrics[f"reward/{t.name}/applied"] = len(applied) / max(n, 1)
+        return Scored(totals, metrics)
+
+
+def _default_name(func: str) -> str:
+    return func.rsplit(":", 1)[-1].rsplit(".", 1)[-1]
+
+
+def item_fields(items: list[dict[str, Any]]) -> dict[str, list]:
+    """Per-item field dicts -> one list per field, aligned (a field missing from an item is None)."""
+    keys: list[str] = []
+    for it in items:
+        keys += [k for k in it if k not in keys]
+    return {k: [it.get(k) for it in items] for k in keys}
+
+
+def score_trajectories(rewards: RewardSet, trajs) -> Scored:
+    """Single-turn attempts: R of each `Trajectory`; each trajectory's `reward` becomes R (its
+    env reward is kept in `info["env_reward"]`)."""
+    env_rewards = [float(t.reward) for t in trajs]
+    fields = item_fields([
+        {"seed": t.seed, "answer": str(t.info.get("answer", "")), "success": bool(t.success), "env_reward": r, **(t.info.get("fields") or {})}
+        for t, r in zip(trajs, env_rewards)
+    ])
+    scored = rewards.score([t.prompt_text for t in trajs], [t.completion_text for t in trajs], env_rewards, fields)
+    for t, r, total in zip(trajs, env_rewards, scored.totals):
+        t.info = {**t.info, "env_reward": r}
+        t.reward = total
+    return scored
+
+
+def score_episodes(rewards: RewardSet, episodes) -> Scored:
+    """Multi-turn episodes: R of each `Episode` at its end, from its task line and action transcript."""
+    env_rewards = [e.total_reward for e in episodes]
+    fields = item_fields([{"seed": e.seed, "answer": "", "success": bool(e.won), "env_reward": r, "turns": len(e.turns)}
+                          for e, r in zip(episodes, env_rewards)])
+    return rewards.score([e.task for e in episodes], ["\n".join(t.action for t in e.turns) for e in episodes], env_rewards, fields)
