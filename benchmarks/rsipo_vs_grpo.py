@@ -482,7 +482,7 @@ def _fmt_cmp(c: dict | None) -> str:
     if c is None:
         return "-"
     at = f" (at <= {c['at_episodes']} episodes)" if c.get("at_episodes") else ""
-    return (f"{c['diff']:+.3f}{at} [{c['diff_ci95'][0]:+.3f}, {c['diff_ci95'][1]:+.3f}] p>={c['p_greater']:.2g}"
+    return (f"{c['diff']:+.3f}{at} [{c['diff_ci95'][0]:+.3f}, {c['diff_ci95'][1]:+.3f}] p={c['p_greater']:.2g}"
             f" (games: [{c['cluster_ci95'][0]:+.3f}, {c['cluster_ci95'][1]:+.3f}] p={c['cluster_p_greater']:.2g})")
 
 
