@@ -223,30 +223,13 @@ def rollout_episodes(
         anchors = {i: (envs[i].state_key() if hasattr(envs[i], "state_key") else obs[i]) for i in live}
         still = []
         for i, prompt, s in zip(live, prompts, samples):
-            reply = _completion_text(tok, s.token_ids)
-            parsed = parse_action(reply, admissible[i], agent)
-            result = envs[i].step(parsed.action)
-            info = result.info
-            turns[i].append(
-                Turn(
-                    prompt_ids=prompt,
-                    action_ids=list(s.token_ids),
-                    action_logprobs=list(s.logprobs),
-                    reply=reply,
-                    action=parsed.action,
-                    observation=obs[i],
-                    anchor=str(anchors[i]),
-                    reward=float(result.reward),
-                    invalid=bool(info.get("invalid", False)),
-                    admissible=admissible[i],
-                )
-            )
-            history[i].append((obs[i], parsed.action))
+            turn, result = _take_turn(tok, envs[i], prompt, s, obs[i], admissible[i], anchors[i], agent)
+            turns[i].append(turn)
+            history[i].append((obs[i], turn.action))
             obs[i] = result.obs
-            admissible[i] = info.get("admissible", admissible[i])
+            admissible[i] = result.info.get("admissible", admissible[i])
             if result.done:
-                won[i] = bool(info.get("won", info.get("success", False)))
-                finish[i] = "won" if won[i] else info.get("failure") or ("max_steps" if info.get("steps", 0) >= getattr(envs[i], "max_steps", 1 << 30) else "lost")
+                won[i], finish[i] = _outcome(envs[i], result.info)
             else:
                 still.append(i)
         live = still
@@ -255,6 +238,36 @@ def rollout_episodes(
         for i in range(n)
     ]
     return EpisodeRollout(episodes, stats, calls)
+
+
+def _take_turn(tok, env, prompt: list[int], sample, obs: str, admissible, anchor, agent: AgentConfig):
+    """Parse one sampled reply into an action, play it in `env`, and record the turn:
+    (the Turn, the env's StepResult). Shared by the lock-step and the continuous loop."""
+    reply = _completion_text(tok, sample.token_ids)
+    parsed = parse_action(reply, admissible, agent)
+    result = env.step(parsed.action)
+    turn = Turn(
+        prompt_ids=prompt,
+        action_ids=list(sample.token_ids),
+        action_logprobs=list(sample.logprobs),
+        reply=reply,
+        action=parsed.action,
+        observation=obs,
+        anchor=str(anchor),
+        reward=float(result.reward),
+        invalid=bool(result.info.get("invalid", False)),
+        admissible=admissible,
+    )
+    return turn, result
+
+
+def _outcome(env, info: dict) -> tuple[bool, str]:
+    """(won, finish reason) of an episode that just ended: won, the env's own failure reason
+    (e.g. a supervised game's 'crashed' / 'timeout'), max_steps, or lost."""
+    won = bool(info.get("won", info.get("success", False)))
+    if won:
+        return True, "won"
+    return False, info.get("failure") or ("max_steps" if info.get("steps", 0) >= getattr(env, "max_steps", 1 << 30) else "lost")
 
 
 def _continuous_episodes(
@@ -309,30 +322,13 @@ def _continuous_episodes(
     while batcher.busy:
         for i, s in batcher.step():
             anchor = envs[i].state_key() if hasattr(envs[i], "state_key") else obs[i]
-            reply = _completion_text(tok, s.token_ids)
-            parsed = parse_action(reply, admissible[i], agent)
-            result = envs[i].step(parsed.action)
-            info = result.info
-            turns[i].append(
-                Turn(
-                    prompt_ids=prompts[i],
-                    action_ids=list(s.token_ids),
-                    action_logprobs=list(s.logprobs),
-                    reply=reply,
-                    action=parsed.action,
-                    observation=obs[i],
-                    anchor=str(anchor),
-                    reward=float(result.reward),
-                    invalid=bool(info.get("invalid", False)),
-                    admissible=admissible[i],
-                )
-            )
-            history[i].append((obs[i], parsed.action))
+            turn, result = _take_turn(tok, envs[i], prompts[i], s, obs[i], admissible[i], anchor, agent)
+            turns[i].append(turn)
+            history[i].append((obs[i], turn.action))
             obs[i] = result.obs
-            admissible[i] = info.get("admissible", admissible[i])
+            admissible[i] = result.info.get("admissible", admissible[i])
             if result.done:
-                won[i] = bool(info.get("won", info.get("success", False)))
-                finish[i] = "won" if won[i] else ("max_steps" if info.get("steps", 0) >= getattr(envs[i], "max_steps", 1 << 30) else "lost")
+                won[i], finish[i] = _outcome(envs[i], result.info)
             else:
                 prompts[i] = prompt_of(i)
                 batcher.submit(i, prompts[i], episode_streams[i], front=True)
