@@ -242,8 +242,9 @@ def worker(spec: dict) -> None:
 
     from recursa.config import load_config
 
-    cfg = load_config(None, spec["sets"], recipe=spec["recipe"])
-    importlib.import_module(f"recursa.recipes.{spec['recipe']}").train(cfg, Path(spec["out"]), log=lambda m: print(m, flush=True))
+    cfg = load_config(None, [*spec["sets"], *spec.get("resume_sets", [])], recipe=spec["recipe"])
+    train = importlib.import_module(f"recursa.recipes.{spec['recipe']}").train
+    train(cfg, Path(spec["out"]), resume=bool(spec.get("resume")), log=lambda m: print(m, flush=True))
 
 
 def run_spec(name: str, seed: int, args, game: dict) -> dict:
@@ -312,6 +313,37 @@ def read_run(out: Path, spec: dict, game: dict) -> dict:
     return record
 
 
+def resumable(out: Path, spec: dict) -> bool:
+    """Whether `out` holds an interrupted run of exactly these settings with a checkpoint to go on from."""
+    try:
+        same = json.loads((out / "bench_spec.json").read_text()) == spec
+    except (OSError, ValueError):
+        return False
+    return same and any((out / "checkpoints").glob("step_*"))
+
+
+def attempts_wall(out: Path) -> tuple[float, int]:
+    """(seconds, pieces): the wall time of every attempt at a run, summed. An attempt is a
+    `start` mark, heartbeats (`alive`) and an `end` mark; one cut off with the benchmark has
+    no end and counts until its last heartbeat (its work after the last checkpoint was
+    redone, and counts again in the next attempt)."""
+    total, pieces, start, last = 0.0, 0, None, None
+    for line in (out / "bench_attempts.jsonl").read_text().splitlines():
+        mark = json.loads(line)
+        if "start" in mark:
+            if start is not None:
+                total += last - start
+            start = last = mark["start"]
+            pieces += 1
+        elif start is not None:
+            last = mark.get("end", mark.get("alive"))
+            if "end" in mark:
+                total, start = total + last - start, None
+    if start is not None:
+        total += last - start
+    return total, pieces
+
+
 def run_one(name: str, seed: int, args, game: dict) -> dict | None:
     """A run's result record: the committed file when its settings match (always with
     --report), else train it now and write the file. None when --report finds none."""
@@ -326,21 +358,40 @@ def run_one(name: str, seed: int, args, game: dict) -> dict | None:
     if args.report:
         return None
     out = Path(args.runs_dir) / game["slug"] / f"{name}_seed{seed}"
-    if out.exists():
-        shutil.rmtree(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    worker_spec = {"recipe": spec["recipe"], "sets": spec["sets"], "out": str(out), "tiny": args.tiny}
-    t0 = time.perf_counter()
+    resume = resumable(out, spec)
+    if resume:
+        print(f"{game['env']:>10} {name:>14} seed {seed}: resuming the interrupted run in {out}", flush=True)
+    else:
+        if out.exists():
+            shutil.rmtree(out)
+        out.mkdir(parents=True)
+        (out / "bench_spec.json").write_text(json.dumps(spec, indent=1) + "\n")
+    # checkpoints at every evaluation point, so a run cut off (a sitting's end) resumes there;
+    # they do not change what the run computes (resume replays the uninterrupted run)
+    every = next(int(s.split("=", 1)[1]) for s in spec["sets"] if s.startswith("eval.every="))
+    worker_spec = {"recipe": spec["recipe"], "sets": spec["sets"], "out": str(out), "tiny": args.tiny, "resume": resume,
+                   "resume_sets": [f"run.checkpoint_every={every}", "run.keep_last=2"]}
+    attempts = out / "bench_attempts.jsonl"
+    with attempts.open("a") as fh:
+        fh.write(json.dumps({"start": time.time()}) + "\n")
     log = out.parent / f"{name}_seed{seed}.log"
-    with log.open("w") as fh:
-        proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(worker_spec)], cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, text=True)
-    wall = time.perf_counter() - t0
+    with log.open("a" if resume else "w") as fh:
+        proc = subprocess.Popen([sys.executable, __file__, "--worker", json.dumps(worker_spec)], cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, text=True)
+        while proc.poll() is None:  # a heartbeat: an attempt cut off with this process counts until its last beat
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                with attempts.open("a") as beat:
+                    beat.write(json.dumps({"alive": time.time()}) + "\n")
+    with attempts.open("a") as fh:
+        fh.write(json.dumps({"end": time.time()}) + "\n")
+    wall, pieces = attempts_wall(out)
     if proc.returncode != 0:
         raise SystemExit(f"{name} seed {seed} failed (exit {proc.returncode}); log: {log}\n{log.read_text()[-2000:]}")
     if not args.keep_checkpoints:
         shutil.rmtree(out / "checkpoints", ignore_errors=True)
         shutil.rmtree(out / "incumbents", ignore_errors=True)
-    record = {"spec": spec, "env": game["env"], "recipe": name, "seed": seed, **read_run(out, spec, game), "wall_s": round(wall, 1),
+    record = {"spec": spec, "env": game["env"], "recipe": name, "seed": seed, **read_run(out, spec, game), "wall_s": round(wall, 1), "pieces": pieces,
               "finished": time.strftime("%Y-%m-%d %H:%M:%S"), "run_dir": str(out.relative_to(REPO)) if out.is_relative_to(REPO) else str(out)}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")

@@ -692,6 +692,32 @@ def test_benchmark_script_tiny(tmp_path):
     assert json.loads((tmp_path / "out" / "toy_corridor.json").read_text())["comparisons"] == data["comparisons"]
 
 
+def test_benchmark_run_cut_off_resumes_where_it_stopped(tmp_path):
+    """A benchmark run killed after its first checkpoint (a sitting's end) resumes from it on
+    the next invocation instead of starting over, and its result equals an uninterrupted
+    run's; the wall time adds up both pieces."""
+    import os
+    import subprocess
+    import sys
+
+    def bench(out: str, fault: str | None = None):
+        cmd = [sys.executable, str(REPO / "benchmarks" / "rsipo_vs_grpo.py"), "--tiny", "--recipes", "grpo", "--seeds", "0", "--steps", "2",
+               "--eval-n", "4", "--eval-every", "1", "--out", str(tmp_path / out), "--runs-dir", str(tmp_path / f"runs_{out}")]
+        env = {k: v for k, v in os.environ.items() if k != "RECURSA_FAULT_AT"} | ({"RECURSA_FAULT_AT": fault} if fault else {})
+        return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
+
+    cut = bench("cut", fault="checkpoint.recorded@1")
+    assert cut.returncode != 0 and not (tmp_path / "cut" / "toy_corridor" / "grpo_seed0.json").exists()
+    resumed = bench("cut")
+    assert resumed.returncode == 0 and "resuming the interrupted run" in resumed.stdout, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    whole = bench("whole")
+    assert whole.returncode == 0 and "resuming" not in whole.stdout
+    a, b = (json.loads((tmp_path / d / "toy_corridor" / "grpo_seed0.json").read_text()) for d in ("cut", "whole"))
+    assert a["pieces"] == 2 and b["pieces"] == 1 and a["wall_s"] > 0
+    assert a["spec"] == b["spec"] and a["heldout"]["items"] == b["heldout"]["items"]
+    assert [(p["episodes"], p["items"]) for p in a["curve"]] == [(p["episodes"], p["items"]) for p in b["curve"]]
+
+
 def test_benchmark_cluster_bootstrap_and_pairs():
     import importlib.util
 
