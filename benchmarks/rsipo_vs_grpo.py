@@ -114,6 +114,7 @@ HOUSEHOLD = {
         *RL_SETS,
     ],
     **RL_BUDGET,
+    "group_by": "task_type",  # success per task type: the warm start saw two of the four
 }
 TINY = {
     "env": "toy-corridor",
@@ -529,6 +530,37 @@ def summarise(result: dict) -> dict:
     return comparisons
 
 
+def item_groups(game: dict, seeds: list[int]) -> dict[int, str]:
+    """The label of each held-out game under game['group_by'] (an attribute the env sets on
+    reset, e.g. household's task_type); {} for a game without one."""
+    if not game.get("group_by"):
+        return {}
+    from recursa.config import load_config
+    from recursa.envs import make_env
+
+    cfg = load_config(None, game["sets"], recipe="grpo")
+    env = make_env(cfg.env.name, **cfg.env.kwargs)
+    labels = {}
+    for seed in seeds:
+        env.reset(seed)
+        labels[seed] = str(getattr(env, game["group_by"]))
+    return labels
+
+
+def by_group(result: dict, labels: dict[int, str]) -> dict[str, dict[str, list[int]]]:
+    """recipe -> label -> [successes, items] of the final held-out play, pooled over seeds."""
+    out = {}
+    for name, entry in result["recipes"].items():
+        counts: dict[str, list[int]] = {}
+        for s in entry["seeds"]:
+            for item in s["heldout"]["items"]:
+                c = counts.setdefault(labels[item["seed"]], [0, 0])
+                c[0] += bool(item["success"])
+                c[1] += 1
+        out[name] = dict(sorted(counts.items()))
+    return out
+
+
 def _fmt_cmp(c: dict | None) -> str:
     if c is None:
         return "-"
@@ -566,6 +598,13 @@ def table(result: dict) -> str:
     lines += ["", "Pairs are (training seed, held-out game); the warm start's greedy play is deterministic, so its one evaluation is paired "
               "with every seed. The clustered bootstrap resamples games (each with all its seeds), the honest interval when the same "
               "game is played by every seed.", ""]
+    if result.get("by_group"):
+        labels = sorted({g for counts in result["by_group"].values() for g in counts})
+        lines += [f"Final success by {result['group_by']} (pooled over seeds, k/n):", "", "| recipe | " + " | ".join(labels) + " |",
+                  "|---|" + "---:|" * len(labels)]
+        for name, counts in result["by_group"].items():
+            lines.append(f"| {name} | " + " | ".join(f"{counts[g][0]}/{counts[g][1]}" if g in counts else "-" for g in labels) + " |")
+        lines.append("")
     keys = sorted({k for e in result["recipes"].values() for s in e["seeds"] for k, v in s.get("diagnostics", {}).items() if isinstance(v, (int, float))})
     keys = [k for k in keys if any(k.startswith(p) for p in ("teacher/share", "teacher/trust", "teacher/corr", "trust/mean", "skills/admitted", "skills/replay", "route/", "hint/", "episodes/", "reward/mean", "rollout/logprob"))]
     if keys:
@@ -702,6 +741,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{game['env']}: no results yet", flush=True)
             continue
         result["comparisons"] = summarise(result)
+        labels = item_groups(game, sorted({i["seed"] for e in result["recipes"].values() for s in e["seeds"] for i in s["heldout"]["items"]}))
+        if labels:
+            result["group_by"], result["by_group"] = game["group_by"], by_group(result, labels)
         out = Path(args.results)
         out.mkdir(parents=True, exist_ok=True)
         (out / f"{game['slug']}.json").write_text(json.dumps(result, indent=1) + "\n")

@@ -718,6 +718,30 @@ def test_benchmark_run_cut_off_resumes_where_it_stopped(tmp_path):
     assert [(p["episodes"], p["items"]) for p in a["curve"]] == [(p["episodes"], p["items"]) for p in b["curve"]]
 
 
+def test_benchmark_success_by_task_type():
+    """household's held-out games are labelled by the task type the env draws (the warm start
+    saw two of four), and final successes are pooled per label over seeds."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("rsipo_vs_grpo", REPO / "benchmarks" / "rsipo_vs_grpo.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    from recursa.envs import make_env
+
+    seeds = [2_000_000_000 + i for i in range(6)]
+    labels = bench.item_groups(bench.HOUSEHOLD, seeds)
+    env = make_env("household", rooms=1, objects_per_room=2, distractors=0, tasks=["pick_and_place", "heat_then_place", "cool_then_place", "clean_then_place"], max_steps=12)
+    for seed in seeds:
+        env.reset(seed)
+        assert labels[seed] == env.task_type
+    assert bench.item_groups(bench.TWX_TWC, seeds) == {}
+    result = {"recipes": {"grpo": {"seeds": [
+        {"heldout": {"items": [{"seed": 1, "success": True}, {"seed": 2, "success": False}]}},
+        {"heldout": {"items": [{"seed": 1, "success": True}, {"seed": 2, "success": True}]}},
+    ]}}}
+    assert bench.by_group(result, {1: "heat", 2: "cool"}) == {"grpo": {"cool": [1, 2], "heat": [2, 2]}}
+
+
 def test_benchmark_cluster_bootstrap_and_pairs():
     import importlib.util
 
