@@ -283,6 +283,18 @@ def test_self_consistency_on_a_jsonl_dataset_with_unlabelled_rows(tmp_path):
     assert len(rows) == 2 and all("reward/self_consistency/agreement" in r for r in rows)
 
 
+def test_dataset_answer_extraction_follows_its_scorer(tmp_path, monkeypatch):
+    from recursa.envs.dataset import DatasetEnv
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Say {i}.", "answer": str(i)}) + "\n" for i in range(20)))
+    assert DatasetEnv(str(data), scorer="last_number").parse("maybe 3, no: 1,000") == "1000"
+    exact = DatasetEnv(str(data), scorer="exact")
+    assert exact.parse("so <answer> blue  sky </answer>") == "blue sky" and exact.parse("  red\n car ") == "red car" and exact.parse(" ") is None
+    monkeypatch.syspath_prepend(str(ROOT / "tests" / "byo_pkg"))
+    assert DatasetEnv(str(data), scorer="byo_tasks.rewards:brevity").parse is None
+
+
 @pytest.fixture(scope="module")
 def sft_run(tmp_path_factory) -> Path:
     """A tiny SFT warm start on arithmetic: pi_SFT of the self-reward runs."""
