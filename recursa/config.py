@@ -126,20 +126,87 @@ class EnvConfig(_Section):
     max_restarts: int = Field(100, ge=0, description="crashed or hung games restarted in one process before the run stops with an error (a game that always crashes is a bug, not bad luck)")
 
 
-class RewardEntry(_Section):
-    """One `[[reward]]` entry (recursa/rewards.py): the training reward is the weighted sum of the entries."""
+REWARD_KINDS = ("func", "self_consistency", "self_judge", "self_reward")
+DEFAULT_RUBRIC = (
+    "Here is a task and a reply to it.\n\nTask: {prompt}\n\nReply: {completion}\n\n"
+    "Is the reply a correct and complete answer to the task? Answer Yes or No."
+)
+# The options of each built-in kind (recursa/self_rewards.py) and their values when unset; an option
+# set under another kind is an error. Unset options stay None in the model, so a config written back
+# (config.toml) carries only what was set and reloads unchanged.
+KIND_DEFAULTS: dict[str, dict[str, Any]] = {
+    "self_consistency": {"min_agreement": 0.0, "penalty": 0.0, "verified_frac": 0.0, "trust_bins": 4, "trust_decay": 0.9},
+    "self_judge": {"rubric": DEFAULT_RUBRIC},
+    "self_reward": {"base": "model", "clip": 3.0},
+}
 
-    func: str = Field(
-        ...,
-        description="'pkg.module:function' called as fn(prompts, completions, **item_fields) -> list[float | None] (None: does not apply), "
-        "or 'env' for the env's own reward (included with weight 1 unless an 'env' entry sets its weight)",
+
+class RewardEntry(_Section):
+    """One `[[reward]]` entry (recursa/rewards.py): the training reward is the weighted sum of the entries.
+    `kind` picks a reward function of yours ('func') or one that needs no verifier (recursa/self_rewards.py, docs/rewards.md)."""
+
+    kind: Literal["func", "self_consistency", "self_judge", "self_reward"] = Field(
+        "func",
+        description="func: your function (or the env's reward) named by `func`; rewards without a verifier (grpo recipe, single-turn tasks): "
+        "self_consistency (1 for agreeing with the majority answer of the task's group, TTRL, with RESTRAIN's low-agreement penalty), "
+        "self_judge (the policy's probability of 'Yes' to a rubric prompt about its own reply), "
+        "self_reward (log pi_SFT(y|x) - log pi_base(y|x) summed over the reply, pi_SFT = the init.from_run warm start)",
+    )
+    func: str | None = Field(
+        None,
+        description="kind = 'func' (required there): 'pkg.module:function' called as fn(prompts, completions, **item_fields) -> list[float | None] "
+        "(None: does not apply), or 'env' for the env's own reward (included with weight 1 unless an 'env' entry sets its weight)",
     )
     weight: float = Field(1.0, description="w_k in R = sum_k w_k r_k")
-    name: str | None = Field(None, description="name in the metrics, reward/<name>/mean (default: the function's name; 'env' for the env's reward)")
+    name: str | None = Field(
+        None, description="name in the metrics, reward/<name>/mean (default: the function's name, 'env' for the env's reward, the kind for the other kinds)"
+    )
+    min_agreement: float | None = Field(
+        None, ge=0, le=1,
+        description="self_consistency: kappa, a group whose majority answer is held by a smaller share of its samples gets no pseudo-label "
+        "(reward 0 for all its samples; RESTRAIN's low-agreement penalty); unset: 0, off (TTRL)",
+    )
+    penalty: float | None = Field(
+        None, ge=0,
+        description="self_consistency: delta, added as -delta to the advantage of every sample of a group below min_agreement, after the "
+        "advantage estimator (RESTRAIN's negative rollout penalization); unset: 0, such groups only get reward 0",
+    )
+    verified_frac: float | None = Field(
+        None, ge=0, le=1,
+        description="self_consistency: share of training tasks (a seeded hash of the seed) whose reference answer is read to check the "
+        "pseudo-label; the checks feed an empirical-Bayes estimate of its accuracy per agreement bin, which scales the reward by "
+        "max(0, 2 accuracy - 1); unset: 0, no verified tasks and no scaling (a task without a reference answer is never verified)",
+    )
+    trust_bins: int | None = Field(
+        None, ge=1, le=100,
+        description="self_consistency: bins of the majority share whose label accuracy is estimated apart, pooled by the empirical-Bayes prior; unset: 4",
+    )
+    trust_decay: float | None = Field(
+        None, gt=0, le=1, description="self_consistency: the label-accuracy counts x trust_decay at every step (1 = never forget); unset: 0.9"
+    )
+    rubric: str | None = Field(
+        None,
+        description="self_judge: the user message the policy answers with Yes or No about its own reply; {prompt} is the task, {completion} "
+        "the reply (double other braces); the reward is P(Yes) / (P(Yes) + P(No)) read from the log-probs; unset: a rubric asking "
+        "whether the reply is a correct and complete answer",
+    )
+    base: str | None = Field(
+        None,
+        description="self_reward: pi_base, 'model' (model.name's own weights, before any warm start) or a run directory (its last checkpoint); "
+        "pi_SFT is the init.from_run warm start; unset: 'model'",
+    )
+    clip: float | None = Field(None, gt=0, description="self_reward: the per-group standardised log-ratio is clipped to [-clip, clip]; unset: 3")
+
+    def option(self, key: str) -> Any:
+        """The value of a built-in kind's option: as set, else its default (KIND_DEFAULTS)."""
+        value = getattr(self, key)
+        return KIND_DEFAULTS[self.kind][key] if value is None else value
 
     @field_validator("func")
     @classmethod
-    def _func(cls, value: str) -> str:
+    def _func(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
         value = value.strip()
         if value != "env" and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", value):
             raise ValueError("must be 'env' or 'package.module:function'")
@@ -151,6 +218,40 @@ class RewardEntry(_Section):
         if value is not None and not re.fullmatch(r"[\w.\-]+", value):
             raise ValueError("must be letters, digits, '_', '-' or '.' (it becomes a metric key)")
         return value
+
+    @field_validator("rubric")
+    @classmethod
+    def _rubric(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        try:
+            value.format(prompt="p", completion="c")
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ValueError(f"may only use the fields {{prompt}} and {{completion}} (double other braces): {exc}") from None
+        if "{completion}" not in value:
+            raise ValueError("must contain {completion}, the reply being judged")
+        return value
+
+    @model_validator(mode="after")
+    def _kind_options(self) -> "RewardEntry":
+        if self.kind == "func" and self.func is None:
+            raise ValueError("a [[reward]] entry needs func = 'pkg.module:function' (or 'env'), or a kind: " + ", ".join(REWARD_KINDS[1:]))
+        if self.kind != "func" and self.func is not None:
+            raise ValueError(f"reward kind = {self.kind!r} is built in and takes no func: drop func, or set kind = 'func'")
+        for kind, options in KIND_DEFAULTS.items():
+            wrong = [o for o in options if getattr(self, o) is not None and self.kind != kind]
+            if wrong:
+                raise ValueError(f"reward.{wrong[0]} is an option of kind = {kind!r}, not of kind = {self.kind!r}: drop it or set kind = {kind!r}")
+        return self
+
+    @property
+    def label(self) -> str:
+        """The entry's name in the metrics (reward/<label>/mean)."""
+        if self.name:
+            return self.name
+        if self.kind != "func":
+            return self.kind
+        return self.func.rsplit(":", 1)[-1].rsplit(".", 1)[-1]
 
 
 class DatasetConfig(_Section):
@@ -464,12 +565,27 @@ class RecipeBase(_Section):
 
 
 def _check_rewards(cfg) -> None:
-    names = [e.name or e.func.rsplit(":", 1)[-1].rsplit(".", 1)[-1] for e in cfg.reward]
+    names = [e.label for e in cfg.reward]
     dup = next((n for n in names if names.count(n) > 1), None)
     if dup is not None:
         raise ValueError(f"two [[reward]] entries are named {dup!r}: give each a distinct name")
     if sum(e.func == "env" for e in cfg.reward) > 1:
         raise ValueError("more than one [[reward]] entry has func = 'env': keep one")
+    for e in cfg.reward:
+        if e.kind == "func":
+            continue
+        if cfg.recipe != "grpo":
+            raise ValueError(f"reward kind = {e.kind!r} is available in the grpo recipe, not in {cfg.recipe!r}: set recipe = 'grpo' or drop the entry")
+        if e.kind == "self_reward":
+            if not cfg.init.from_run:
+                raise ValueError(
+                    "reward kind = 'self_reward' needs two models, pi_SFT and pi_base: set init.from_run to the warm start (pi_SFT, e.g. an SFT run) "
+                    "and reward.base to the base ('model' or a run directory)"
+                )
+            base = e.option("base")
+            same = base != "model" and Path(base).expanduser().resolve() == Path(cfg.init.from_run).expanduser().resolve()
+            if same and cfg.init.checkpoint == "last":
+                raise ValueError(f"reward.base = {base!r} is the warm start init.from_run itself: log pi_SFT / pi_base would be 0; name another run or 'model'")
 
 
 def _check_test_looks(cfg, steps: int, extra_after: int = 0) -> None:
@@ -828,8 +944,12 @@ def check_plugins(cfg) -> None:
     if not uses_dataset(cfg):
         check_env(cfg.env.name, cfg.env.kwargs)
     for entry in getattr(cfg, "reward", []):
-        if entry.func != "env" and not callable(import_object(entry.func, "reward.func")):
+        if entry.kind == "func" and entry.func != "env" and not callable(import_object(entry.func, "reward.func")):
             raise UserError(f"reward.func = {entry.func!r} is not a function")
+    if any(entry.kind != "func" for entry in getattr(cfg, "reward", [])):
+        from recursa.self_rewards import check_task
+
+        check_task(cfg)  # single-turn, and answer extraction for self_consistency
     if uses_dataset(cfg) and cfg.data.scorer not in ("exact", "last_number"):
         from recursa.envs.base import is_factory_spec
 

@@ -30,6 +30,14 @@ Multi-turn games: a reward function is called once per episode, at its end, with
 actions sent to the game, one per line); R replaces the episode's total env reward in the
 outcome advantage (GiGPO's step term still reads the env's per-turn rewards).
 
+Rewards without a verifier: an entry with `kind = "self_consistency"`, `"self_judge"` or
+`"self_reward"` is built in (`recursa/self_rewards.py`, docs/rewards.md). It scores the
+step's trajectories from the policy's own behaviour (majority votes, its own Yes/No verdict,
+the warm start's log-ratio to the base model) rather than from a function of the text, and
+may log more keys under `reward/<name>/` and add an offset to each item's advantage
+(`Scored.advantage_offsets`, RESTRAIN's penalty). The grpo recipe builds them with a
+`SelfRewardContext` (the policy, an env, the warm start).
+
 Evaluations and the gate always measure the env's success rate: rewards shape training,
 they do not redefine what solving a task means.
 """
@@ -77,15 +85,17 @@ def call_reward(fn: Callable, name: str, prompts: list[str], completions: list[s
 @dataclass
 class RewardTerm:
     name: str
-    func: str  # "pkg.module:function" or "env"
+    func: str  # "pkg.module:function", "env", or a built-in kind ("self_consistency", ...)
     weight: float
-    fn: Callable | None  # None for the env's own reward
+    fn: Callable | None  # None for the env's own reward and for built-in kinds
+    builtin: Any = None  # a built-in kind's scorer (recursa.self_rewards.BuiltinReward), else None
 
 
 @dataclass
 class Scored:
     totals: list[float]  # R per item
-    metrics: dict[str, float]  # reward/<name>/mean (+ reward/<name>/applied when an entry skipped items)
+    metrics: dict[str, float]  # reward/<name>/mean (+ reward/<name>/applied when an entry skipped items, + a built-in kind's own keys)
+    advantage_offsets: list[float] | None = None  # per item, added to its advantage after the estimator (None: no entry asked for one)
 
 
 class RewardSet:
@@ -95,15 +105,25 @@ class RewardSet:
         self.terms = terms
 
     @classmethod
-    def from_config(cls, entries) -> "RewardSet | None":
+    def from_config(cls, entries, context=None) -> "RewardSet | None":
         """The set of `cfg.reward` entries, or None when there are none (the env's reward alone,
-        exactly as without this module)."""
+        exactly as without this module). Built-in kinds need `context`, a
+        `recursa.self_rewards.SelfRewardContext`."""
         if not entries:
             return None
         from recursa.envs.base import import_object
 
-        terms = [RewardTerm(e.name or _default_name(e.func), e.func, e.weight, None if e.func == ENV else import_object(e.func, "reward.func"))
-                 for e in entries]
+        terms = []
+        for e in entries:
+            kind = getattr(e, "kind", "func")
+            if kind != "func":
+                if context is None:
+                    raise UserError(f"reward kind = {kind!r} needs the policy and the task: build the RewardSet with a SelfRewardContext (the grpo recipe does)")
+                from recursa.self_rewards import build_builtin
+
+                terms.append(RewardTerm(e.name or kind, kind, e.weight, None, build_builtin(e, e.name or kind, context)))
+                continue
+            terms.append(RewardTerm(e.name or _default_name(e.func), e.func, e.weight, None if e.func == ENV else import_object(e.func, "reward.func")))
         if not any(t.func == ENV for t in terms):
             terms.insert(0, RewardTerm(ENV, ENV, 1.0, None))
         names = [t.name for t in terms]
@@ -115,13 +135,24 @@ class RewardSet:
                 raise UserError(f"reward.func = {t.func!r} is a {type(t.fn).__name__}, not a function")
         return cls(terms)
 
-    def score(self, prompts: list[str], completions: list[str], env_rewards: list[float], fields: dict[str, list]) -> Scored:
-        """R for every item and the per-entry metrics."""
+    def score(self, prompts: list[str], completions: list[str], env_rewards: list[float], fields: dict[str, list], trajs=None) -> Scored:
+        """R for every item and the per-entry metrics. Built-in kinds read `trajs`, the
+        single-turn `Trajectory` of each item (None for game episodes: refused)."""
         n = len(completions)
         totals = [0.0] * n
         metrics: dict[str, float] = {}
+        offsets: list[float] | None = None
         for t in self.terms:
-            values = list(env_rewards) if t.fn is None else call_reward(t.fn, t.name, prompts, completions, fields)
+            extra: dict[str, float] = {}
+            if t.builtin is not None:
+                if trajs is None:
+                    raise UserError(f"reward kind = {t.func!r} scores single-turn replies, not game episodes: use a single-turn task or drop the entry")
+                out = t.builtin.score(trajs, list(env_rewards))
+                values, extra = _checked(out.values, t.name, n), out.metrics
+                if out.advantage_offsets is not None:
+                    offsets = [a + b for a, b in zip(offsets or [0.0] * n, out.advantage_offsets)]
+            else:
+                values = list(env_rewards) if t.fn is None else call_reward(t.fn, t.name, prompts, completions, fields)
             applied = [v for v in values if v is not None]
             for i, v in enumerate(values):
                 if v is not None:
@@ -129,7 +160,32 @@ class RewardSet:
             metrics[f"reward/{t.name}/mean"] = sum(applied) / len(applied) if applied else float("nan")
             if len(applied) < n:
                 metrics[f"reward/{t.name}/applied"] = len(applied) / max(n, 1)
-        return Scored(totals, metrics)
+            metrics.update(extra)
+        return Scored(totals, metrics, offsets)
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the built-in kinds carry from step to step (self_consistency's label-accuracy
+        counts), by entry name; {} when none carries anything."""
+        out = {}
+        for t in self.terms:
+            state = t.builtin.state_dict() if t.builtin is not None else None
+            if state is not None:
+                out[t.name] = state
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned (a resumed run)."""
+        for t in self.terms:
+            if t.builtin is not None and t.name in state:
+                t.builtin.load_state_dict(state[t.name])
+
+
+def _checked(values: list[float | None], name: str, n: int) -> list[float | None]:
+    """A built-in kind's values, one per item (a bug otherwise, not a user error; a NaN is
+    caught by the recipe's finiteness check, which names the step)."""
+    if len(values) != n:
+        raise RuntimeError(f"reward {name!r} returned {len(values)} values for {n} items")
+    return values
 
 
 def _default_name(func: str) -> str:
@@ -152,7 +208,7 @@ def score_trajectories(rewards: RewardSet, trajs) -> Scored:
         {"seed": t.seed, "answer": str(t.info.get("answer", "")), "success": bool(t.success), "env_reward": r, **(t.info.get("fields") or {})}
         for t, r in zip(trajs, env_rewards)
     ])
-    scored = rewards.score([t.prompt_text for t in trajs], [t.completion_text for t in trajs], env_rewards, fields)
+    scored = rewards.score([t.prompt_text for t in trajs], [t.completion_text for t in trajs], env_rewards, fields, trajs=trajs)
     for t, r, total in zip(trajs, env_rewards, scored.totals):
         t.info = {**t.info, "env_reward": r}
         t.reward = total

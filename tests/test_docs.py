@@ -125,6 +125,8 @@ RUNS = {
     "rsipo, skills in context, library gate, imitation": ("examples/rsipo_smoke.toml", None, [
         *FAST, "train.steps=2", "eval.n=2", "skills.in_context=true", "gate.mode=gate", "gate.every=1", "gate.n=4", "gate.skills_every=1",
         "teacher.mode=imitation"]),
+    "grpo, rewards without a verifier": ("examples/smoke.toml", None, [
+        *FAST, "train.steps=1", "eval.n=2", 'reward=[{kind = "self_consistency", verified_frac = 1.0, penalty = 0.1}, {kind = "self_judge"}]']),
 }
 
 
@@ -151,12 +153,12 @@ def test_glossary_covers_every_key_the_recipes_write(written_keys):
     # the runs reach every recipe and the optional groups they are meant to
     for key in ("sft/loss", "rft/pass@2", "gate/p_value", "prompt/proposals", "hatch/win_rate", "skills/gate_p_value",
                 "teacher/imitation_weight_mean", "teacher/critical_turn_mean", "eval_skills/success_rate", "rollout/tis_weight_mean",
-                "episode/step_adv_abs_mean", "skills/retired"):
+                "episode/step_adv_abs_mean", "skills/retired", "reward/self_consistency/trust", "reward/self_judge/corr"):
         assert key in written_keys, key
 
 
 # String literals in the modules that write metrics: "group/name" or f"group/{...}".
-METRIC_SOURCES = ["recipes/*.py", "algorithms/*.py", "skills/*.py", "distributed/*.py", "rewards.py", "envs/*.py"]
+METRIC_SOURCES = ["recipes/*.py", "algorithms/*.py", "skills/*.py", "distributed/*.py", "rewards.py", "self_rewards.py", "envs/*.py"]
 _LITERAL = re.compile(r"""(f?)"([a-z_{}]+/[A-Za-z0-9_@/{}<>.]*)\"""")
 _NOT_METRICS = re.compile(r"\.(json|jsonl|toml|md|png|safetensors|pt)$|^(checkpoints|incumbents|runs)/")
 

@@ -78,7 +78,9 @@ class Env(Protocol):
     rollout should use (None: the rollout's short default); read it with
     `system_prompt_of(env)`. Single-turn tasks end on the first step (done=True). A
     single-turn env may offer `reference() -> str | None`, a reply that solves the item
-    just reset (SFT's demonstrations; `recursa.demos` checks that it scores).
+    just reset (SFT's demonstrations; `recursa.demos` checks that it scores), and
+    `parse(reply) -> str | None`, the answer it reads in a reply whatever the current item
+    (what the self-consistency reward votes on, `recursa.self_rewards`).
     """
 
     name: str

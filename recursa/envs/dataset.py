@@ -166,6 +166,8 @@ class DatasetEnv:
             raise UserError(f"data.scorer = {scorer!r}: choose 'exact', 'last_number' or a reward function 'pkg.module:function'")
         self.scorer = scorer
         self.score_fn = import_object(scorer, "data.scorer") if scorer not in SCORERS else None
+        if self.score_fn is not None:
+            self.parse = None  # your scorer reads the reply in its own way: no answer extraction recursa knows of
         needs_answer = scorer in SCORERS
         self.splits = _load(str(p.resolve()), source, p.stat().st_mtime, prompt_key, answer_key if needs_answer else None,
                             split_key, gate_frac, test_frac)
@@ -204,6 +206,16 @@ class DatasetEnv:
     def fields(self) -> dict[str, Any]:
         """The row's columns other than the prompt: what reward functions receive as keywords."""
         return {k: v for k, v in (self._row or {}).items() if k != self.prompt_key}
+
+    def parse(self, action_text: str) -> str | None:
+        """The answer the scorer reads in a reply, None for none: its last number ('last_number'),
+        or the content of its last <answer> tag, else the whole reply, whitespace collapsed
+        ('exact'). A reward-function scorer has no answer extraction (`parse` is None)."""
+        if self.scorer == "last_number":
+            return last_number(action_text)
+        tagged = extract_answer(action_text)
+        text = " ".join((tagged if tagged is not None else action_text or "").split())
+        return text or None
 
     def step(self, action_text: str) -> StepResult:
         if self._row is None or self._done:

@@ -5,7 +5,9 @@
         rollout    -> B x G trajectories (token ids, action masks, sampler log-probs, rewards);
                       for multi-turn games B x G episodes, one training row per turn; played
                       in this process or on Ray workers (`distributed`, recursa/distributed/)
-        rewards    <- the env's reward, or the weighted sum of the [[reward]] functions (recursa/rewards.py)
+        rewards    <- the env's reward, or the weighted sum of the [[reward]] entries (recursa/rewards.py): your
+                      functions, or rewards without a verifier (recursa/self_rewards.py: majority vote,
+                      the policy's own verdict, the warm start's log-ratio to the base model)
         advantages <- estimator(rewards  # (B, G))            grpo | dr_grpo | rloo | reinforce_pp | gopo
                       (+ GiGPO's step term per turn, for games)
         update     <- epochs x mini-batches of PPO-clip, micro-batched with gradient accumulation,
@@ -48,6 +50,7 @@ from recursa.models import Policy
 from recursa.recipes.common import Progress, check_finite, eval_before, lr_at, open_run, run_eval, step_generator
 from recursa.recipes.gating import PromptGate, WeightsGate
 from recursa.rewards import RewardSet, score_episodes, score_trajectories
+from recursa.self_rewards import SelfRewardContext
 from recursa.trajectory import Episode, TrainBatch, Trajectory, collate
 
 def train_seeds(cfg: GRPOConfig, step: int) -> list[int]:
@@ -342,10 +345,12 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
     prompts = PromptGate(cfg, store, pool, gate.lineage, multi_turn, log, engine=engine) if gate is not None and cfg.gate.prompt_every else None
     failures: deque[tuple[str, str]] = deque(maxlen=4)  # recent failures, what prompt proposals read
     rollouts = make_rollouts(cfg, policy, pool, log, engine)  # in this process (through the engine), or on Ray workers
+    reward_set = RewardSet.from_config(cfg.reward, SelfRewardContext(cfg, policy, pool.take(1)[0], run.init_dir))  # None: the env's reward alone
+    if reward_set is not None and run.state.get("rewards"):
+        reward_set.load_state_dict(run.state["rewards"])  # self_consistency's label-accuracy counts at the checkpoint
     eval_before(run, cfg, progress, log, engine=engine)
 
     sampling = SamplingParams(cfg.sampling.max_new_tokens, cfg.sampling.temperature, cfg.sampling.top_p, tuple(cfg.sampling.stop))
-    reward_set = RewardSet.from_config(cfg.reward)  # None: the env's reward alone
     B, G = cfg.train.prompts_per_step, cfg.train.group_size
     for step in range(start_step, cfg.train.steps):
         t0 = time.perf_counter()
@@ -373,11 +378,15 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
             ro = rollouts.rollout(seeds, G, sampling, gen, system_prompt)
             trajs, gen_stats = ro.trajectories, ro.stats
             t1 = time.perf_counter()
+            offsets = None
             if reward_set is not None:  # [[reward]]: each trajectory's reward becomes the weighted sum
-                reward_metrics = score_trajectories(reward_set, trajs).metrics
+                scored = score_trajectories(reward_set, trajs)
+                reward_metrics, offsets = scored.metrics, scored.advantage_offsets
             rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32, device="cpu").view(B, G)  # (B, G)
             check_finite(step + 1, rewards=rewards)  # an env's NaN reward is named, never trained on
             advantages = compute_advantages(cfg.algo.advantage, rewards)  # (B, G)
+            if offsets is not None:  # a reward's own advantage term (self_consistency's penalty for low agreement)
+                advantages = advantages + torch.tensor(offsets, dtype=torch.float32, device="cpu").view(B, G)
             row_advantages = advantages.view(-1)
             failures.extend((t.prompt_text, t.completion_text) for t in trajs if not t.success)
         check_finite(step + 1, advantages=row_advantages)
@@ -432,7 +441,8 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
             r = run_eval(policy, cfg, pool, store, done, f"step_{done:04d}", progress, gate, engine=engine)
             log(f"eval @ {done}: success {r.success_rate:.3f} [{r.ci95[0]:.3f}, {r.ci95[1]:.3f}]")
         if (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0) or done == cfg.train.steps:
-            store.save_checkpoint(done, policy, optimizer, {"opt_steps": opt_step})
+            saved = reward_set.state_dict() if reward_set is not None else {}
+            store.save_checkpoint(done, policy, optimizer, {"opt_steps": opt_step, **({"rewards": saved} if saved else {})})
 
     rollouts.close()
     if cfg.train.steps == 0 and store.latest_checkpoint() is None:
