@@ -345,7 +345,8 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
     prompts = PromptGate(cfg, store, pool, gate.lineage, multi_turn, log, engine=engine) if gate is not None and cfg.gate.prompt_every else None
     failures: deque[tuple[str, str]] = deque(maxlen=4)  # recent failures, what prompt proposals read
     rollouts = make_rollouts(cfg, policy, pool, log, engine)  # in this process (through the engine), or on Ray workers
-    reward_set = RewardSet.from_config(cfg.reward, SelfRewardContext(cfg, policy, pool.take(1)[0], run.init_dir))  # None: the env's reward alone
+    builtin = any(e.kind != "func" for e in cfg.reward)  # rewards without a verifier read the policy and one env of the task
+    reward_set = RewardSet.from_config(cfg.reward, SelfRewardContext(cfg, policy, pool.take(1)[0], run.init_dir) if builtin else None)  # None: the env's reward alone
     if reward_set is not None and run.state.get("rewards"):
         reward_set.load_state_dict(run.state["rewards"])  # self_consistency's label-accuracy counts at the checkpoint
     eval_before(run, cfg, progress, log, engine=engine)
