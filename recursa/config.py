@@ -337,6 +337,22 @@ class RolloutConfig(_Section):
         "quantised int8 linear layers (CPU), refreshed after every update; the trainer keeps its dtype and recomputes its log-probs "
         "(the difference is logged as rollout/logprob_mismatch; rollout.tis_cap corrects for it)",
     )
+    branch: Literal["off", "random", "last", "doubt"] = Field(
+        "off",
+        description="GRPO on multi-turn games: branching rollouts (recursa/branching.py). From a turn t of a sampled episode the game is "
+        "reset and the first t actions replayed (games are deterministic), then branch_k continuations are sampled; advantages are "
+        "compared within each branch (the source's own turns from t and the continuations) and added to the episode advantage. "
+        "t is a random turn past the first ('random'), turns - branch_last ('last'), or the turn whose sampled action had the lowest mean "
+        "token log-prob ('doubt'); 'off': no branches",
+    )
+    branch_k: int = Field(4, gt=0, description="rollout.branch: continuations sampled from each branch point (extra episodes, counted in episodes/sampled)")
+    branch_sources: int = Field(
+        1, gt=0, description="rollout.branch: episodes of each task group that are branched (the group's first ones; its G episodes are exchangeable)"
+    )
+    branch_last: int = Field(1, gt=0, description="rollout.branch = 'last': the continuations re-decide the source's last N turns (branch at turn max(0, turns - N))")
+    branch_weight: float = Field(
+        1.0, ge=0, description="rollout.branch: weight w of the branch advantage, A = A_episode + w A_branch on the turns from the branch point on"
+    )
 
 
 class AlgoConfig(_Section):
@@ -561,6 +577,9 @@ class RecipeBase(_Section):
 
         if uses_dataset(self) and "name" in self.env.model_fields_set:
             raise ValueError(f"env.name = {self.env.name!r} and data.source = {self.data.source!r} both name the task: keep one")
+        recipe = getattr(self, "recipe", "grpo")
+        if self.rollout.branch != "off" and recipe != "grpo":
+            raise ValueError(f"rollout.branch = {self.rollout.branch!r} is an option of the grpo recipe, not of {recipe!r}: set rollout.branch = 'off' or recipe = 'grpo'")
         return self
 
 
@@ -627,6 +646,11 @@ class GRPOConfig(RecipeBase):
             )
         if self.recipe == "grpo" and self.gate.skills_every:
             raise ValueError("gate.skills_every gates a skill library, which only the rsipo recipe has: set gate.skills_every = 0 or recipe = 'rsipo'")
+        if self.rollout.branch != "off" and self.rollout.branch_sources > self.train.group_size:
+            raise ValueError(
+                f"rollout.branch_sources = {self.rollout.branch_sources} branches more episodes than a group has (train.group_size = "
+                f"{self.train.group_size}): set rollout.branch_sources <= train.group_size"
+            )
         _check_distributed(self)
         _check_rewards(self)
         return self

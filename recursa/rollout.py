@@ -29,6 +29,13 @@ stream (for games, each of its G episodes from a stream drawn from it), so the r
 group does not depend on which other seeds are in the same call: a step split into shards
 of seeds (`recursa.distributed`) gives the unsplit call's sampled tokens, texts and rewards
 (the sampler's log-probs to float rounding: a smaller batch is padded differently).
+
+Branching (`rollout.branch`, `recursa.branching`): `rollout_episodes` takes optional per-seed
+`prefixes`, lists of actions replayed right after reset, before anything is sampled. The
+games are deterministic, so a replayed prefix puts every episode of that seed in the state the
+source episode reached after those actions; the replayed turns are kept in the episode
+(`Turn`s without tokens, so its return and transcript are the whole game's) and
+`Episode.branch_turn` marks where the sampled turns begin. Without prefixes nothing changes.
 """
 
 from __future__ import annotations
@@ -84,6 +91,15 @@ def _streams_of(generator: Generators, n: int) -> list[torch.Generator] | None:
     if len(generator) != n:
         raise ValueError(f"expected one generator per seed: {len(generator)} generators for {n} seeds")
     return list(generator)
+
+
+def _prefixes_of(prefixes: list[list[str]] | None, n: int) -> list[list[str]]:
+    """The per-seed action prefixes (checked against n seeds); n empty ones when None."""
+    if prefixes is None:
+        return [[] for _ in range(n)]
+    if len(prefixes) != n:
+        raise ValueError(f"expected one action prefix per seed: {len(prefixes)} prefixes for {n} seeds")
+    return [list(p) for p in prefixes]
 
 
 def _completion_text(tokenizer, token_ids: list[int]) -> str:
@@ -176,6 +192,7 @@ def rollout_episodes(
     agent: AgentConfig,
     hints: list[str | None] | None = None,
     engine: RolloutEngine | None = None,
+    prefixes: list[list[str]] | None = None,
 ) -> EpisodeRollout:
     """Play `group_size` episodes of each seed's game, all live episodes stepping together.
 
@@ -187,6 +204,9 @@ def rollout_episodes(
     `engine` samples (None: the native sampler on `policy`).
     With one generator per seed, each of the seed's episodes samples from its own stream
     (G generators drawn from the seed's).
+    `prefixes[i]`, when given, is a list of actions every episode of seed i plays right after
+    reset (`_replay`, no sampling): its turns are recorded without tokens, sampling starts
+    from the state they reach, and each episode's `branch_turn` is the prefix's length.
     An engine with `continuous` set (`rollout.continuous`) plays the episodes with continuous
     batching instead (`_continuous_episodes`): the same prompts, turns and episodes, scheduled
     per decode step, each episode always on its own stream.
@@ -194,7 +214,7 @@ def rollout_episodes(
     tok = policy.tokenizer
     engine = engine or NativeEngine(policy)
     if getattr(engine, "continuous", False):
-        return _continuous_episodes(policy, envs, seeds, group_size, sampling, generator, system_prompt, agent, hints, engine)
+        return _continuous_episodes(policy, envs, seeds, group_size, sampling, generator, system_prompt, agent, hints, engine, prefixes=prefixes)
     n = len(seeds) * group_size
     streams = _streams_of(generator, len(seeds))
     episode_streams = None if streams is None else [e for g in streams for e in group_generators(g, group_size)]  # episode i*G+k
@@ -209,7 +229,14 @@ def rollout_episodes(
     won = [False] * n
     stats = GenerationStats()
     calls = 0
-    live = list(range(n))
+    episode_prefixes = [p for p in _prefixes_of(prefixes, len(seeds)) for _ in range(group_size)]
+    live = []
+    for i in range(n):  # branching: replay each episode's action prefix (none without prefixes)
+        obs[i], admissible[i], ended = _replay(envs[i], episode_prefixes[i], obs[i], admissible[i], history[i], turns[i])
+        if ended is None:
+            live.append(i)
+        else:  # the game ended inside the prefix (only a game that is not deterministic does)
+            won[i], finish[i] = _outcome(envs[i], ended.info)
     while live:
         prompts = [
             render_prompt(
@@ -234,7 +261,8 @@ def rollout_episodes(
                 still.append(i)
         live = still
     episodes = [
-        Episode(envs[i].name, episode_seeds[i], i // group_size, envs[i].task, turns[i], won[i], finish[i])
+        Episode(envs[i].name, episode_seeds[i], i // group_size, envs[i].task, turns[i], won[i], finish[i],
+                branch_turn=None if prefixes is None else len(episode_prefixes[i]))
         for i in range(n)
     ]
     return EpisodeRollout(episodes, stats, calls)
@@ -261,6 +289,23 @@ def _take_turn(tok, env, prompt: list[int], sample, obs: str, admissible, anchor
     return turn, result
 
 
+def _replay(env, actions: list[str], obs: str, admissible, history: list, turns: list):
+    """Play `actions` in `env` (just reset) without sampling, as `_take_turn` plays a parsed
+    action: each becomes a token-less `Turn` in `turns` and an (observation, action) pair in
+    `history`, so the prompts that follow are those the source episode saw. Returns (the
+    observation, the admissible actions, the last StepResult if the game ended, else None)."""
+    for action in actions:
+        anchor = env.state_key() if hasattr(env, "state_key") else obs
+        result = env.step(action)
+        turns.append(Turn(prompt_ids=[], action_ids=[], action_logprobs=[], reply="", action=action, observation=obs, anchor=str(anchor),
+                          reward=float(result.reward), invalid=bool(result.info.get("invalid", False)), admissible=admissible))
+        history.append((obs, action))
+        obs, admissible = result.obs, result.info.get("admissible", admissible)
+        if result.done:
+            return obs, admissible, result
+    return obs, admissible, None
+
+
 def _outcome(env, info: dict) -> tuple[bool, str]:
     """(won, finish reason) of an episode that just ended: won, the env's own failure reason
     (e.g. a supervised game's 'crashed' / 'timeout'), max_steps, or lost."""
@@ -282,6 +327,7 @@ def _continuous_episodes(
     hints: list[str | None] | None,
     engine,
     times=None,
+    prefixes: list[list[str]] | None = None,
 ) -> EpisodeRollout:
     """`rollout_episodes` with continuous batching (`engine.batcher`, see
     `recursa.engines.continuous`): every episode's first prompt is queued; whenever a reply is
@@ -292,7 +338,8 @@ def _continuous_episodes(
     generator when `generator` is a list (as the synchronous loop), else the seeds' generators
     are first drawn from `generator` (`group_generators`, what `sampling.streams = "group"`
     does), so an episode's tokens are those of the synchronous loop under group streams, to
-    float rounding of the logits. `times`: a `BatcherTimes` to add the batcher's seconds to."""
+    float rounding of the logits. `times`: a `BatcherTimes` to add the batcher's seconds to.
+    `prefixes`: per-seed actions replayed after reset, as in the synchronous loop."""
     tok = policy.tokenizer
     n = len(seeds) * group_size
     streams = _streams_of(generator, len(seeds))
@@ -316,7 +363,12 @@ def _continuous_episodes(
         text = render_turn(envs[i].task, obs[i], admissible[i], history[i], agent, hint=episode_hints[i])
         return render_prompt(tok, text, system_prompt_of(envs[i]) or system_prompt)
 
+    episode_prefixes = [p for p in _prefixes_of(prefixes, len(seeds)) for _ in range(group_size)]
     for i in range(n):
+        obs[i], admissible[i], ended = _replay(envs[i], episode_prefixes[i], obs[i], admissible[i], history[i], turns[i])
+        if ended is not None:  # the game ended inside the prefix (only a game that is not deterministic does)
+            won[i], finish[i] = _outcome(envs[i], ended.info)
+            continue
         prompts[i] = prompt_of(i)
         batcher.submit(i, prompts[i], episode_streams[i])
     while batcher.busy:
@@ -333,7 +385,8 @@ def _continuous_episodes(
                 prompts[i] = prompt_of(i)
                 batcher.submit(i, prompts[i], episode_streams[i], front=True)
     episodes = [
-        Episode(envs[i].name, episode_seeds[i], i // group_size, envs[i].task, turns[i], won[i], finish[i])
+        Episode(envs[i].name, episode_seeds[i], i // group_size, envs[i].task, turns[i], won[i], finish[i],
+                branch_turn=None if prefixes is None else len(episode_prefixes[i]))
         for i in range(n)
     ]
-    return EpisodeRollout(episodes, stats, max((len(t) for t in turns), default=0))
+    return EpisodeRollout(episodes, stats, max((len(t) - len(p) for t, p in zip(turns, episode_prefixes)), default=0))

@@ -133,6 +133,9 @@ class Episode:
     turns: list[Turn]
     won: bool
     finish_reason: str  # "won" | "lost" | "max_steps" | "crashed" | "timeout" (the game failed: recursa.envs.supervise)
+    # A branch continuation (rollout.branch, recursa/branching.py): its first `branch_turn` turns were
+    # replayed from a source episode (token-less turns, no rows), the rest were sampled. None: an ordinary episode.
+    branch_turn: int | None = None
 
     @property
     def total_reward(self) -> float:
@@ -143,9 +146,12 @@ class Episode:
         return sum(t.invalid for t in self.turns) / max(len(self.turns), 1)
 
     def rows(self) -> list[Trajectory]:
-        """One training row per turn: the turn's prompt ids followed by its action ids."""
+        """One training row per sampled turn: the turn's prompt ids followed by its action ids
+        (a branch continuation's replayed turns, before `branch_turn`, make none)."""
         out = []
         for k, t in enumerate(self.turns):
+            if k < (self.branch_turn or 0):
+                continue
             out.append(
                 Trajectory(
                     env=self.env,

@@ -118,6 +118,9 @@ RUNS = {
         "gate.prompt_candidates=1", "gate.prompt_select_n=2", "algo.kl_coef=0.1", "rollout.tis_cap=2.0"]),
     "grpo, game, GiGPO": (None, "grpo", [
         *FAST, "env.name=household", HOUSEHOLD, "train.steps=1", "train.prompts_per_step=2", "train.group_size=2", "algo.step_advantage=gigpo", "eval.n=2"]),
+    "grpo, game, branching": (None, "grpo", [
+        *FAST, "env.name=household", HOUSEHOLD, "train.steps=1", "train.prompts_per_step=2", "train.group_size=2", "rollout.branch=doubt",
+        "rollout.branch_k=2", "eval.n=2"]),
     "sft": (None, "sft", [*FAST, "data.n=8", "train.epochs=1", "train.batch_size=4", "eval.n=2"]),
     "rft, game, gated": (None, "rft", [
         *FAST, "env.name=household", HOUSEHOLD, "rft.rounds=1", "rft.tasks_per_round=2", "rft.group_size=2", "gate.mode=gate", "gate.n=2", "eval.n=2"]),
@@ -153,12 +156,12 @@ def test_glossary_covers_every_key_the_recipes_write(written_keys):
     # the runs reach every recipe and the optional groups they are meant to
     for key in ("sft/loss", "rft/pass@2", "gate/p_value", "prompt/proposals", "hatch/win_rate", "skills/gate_p_value",
                 "teacher/imitation_weight_mean", "teacher/critical_turn_mean", "eval_skills/success_rate", "rollout/tis_weight_mean",
-                "episode/step_adv_abs_mean", "skills/retired", "reward/self_consistency/trust", "reward/self_judge/corr"):
+                "episode/step_adv_abs_mean", "skills/retired", "reward/self_consistency/trust", "reward/self_judge/corr", "branch/nonzero_frac"):
         assert key in written_keys, key
 
 
 # String literals in the modules that write metrics: "group/name" or f"group/{...}".
-METRIC_SOURCES = ["recipes/*.py", "algorithms/*.py", "skills/*.py", "distributed/*.py", "rewards.py", "self_rewards.py", "envs/*.py"]
+METRIC_SOURCES = ["recipes/*.py", "algorithms/*.py", "skills/*.py", "distributed/*.py", "rewards.py", "self_rewards.py", "envs/*.py", "branching.py"]
 _LITERAL = re.compile(r"""(f?)"([a-z_{}]+/[A-Za-z0-9_@/{}<>.]*)\"""")
 _NOT_METRICS = re.compile(r"\.(json|jsonl|toml|md|png|safetensors|pt)$|^(checkpoints|incumbents|runs)/")
 

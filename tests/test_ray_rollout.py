@@ -183,6 +183,10 @@ RECIPE_RUNS = {  # recipe module, config, overrides, tolerance of float metrics 
     # (and so in the loss), hence a tolerance for its floats; counts and rewards are exact.
     "rsipo_game": (rsipo, str(ROOT / "examples" / "rsipo_smoke.toml"),
                    ["train.steps=2", "eval.n=2", "skills.in_context=true", "run.checkpoint_every=0"], 1e-5),
+    # branching rollouts: the continuations' requests carry action prefixes, sharded with their seeds
+    "grpo_branch": (grpo, SMOKE, ["env.name=household", "env.kwargs={rooms = 1, objects_per_room = 2, distractors = 0, max_steps = 4}",
+                                  "train.steps=2", "train.prompts_per_step=2", "train.group_size=2", "rollout.branch=random", "rollout.branch_k=2",
+                                  "eval.n=2", "run.checkpoint_every=0"], 1e-5),
 }
 
 

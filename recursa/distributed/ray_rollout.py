@@ -248,8 +248,8 @@ class RayRollouts:
     def rollout(self, seeds, group_size, sampling, generator, system_prompt, hints=None):
         return self._call(RolloutRequest(list(seeds), group_size, sampling, system_prompt, None, hints), generator)
 
-    def episodes(self, seeds, group_size, sampling, generator, system_prompt, agent, hints=None):
-        return self._call(RolloutRequest(list(seeds), group_size, sampling, system_prompt, agent, hints), generator)
+    def episodes(self, seeds, group_size, sampling, generator, system_prompt, agent, hints=None, prefixes=None):
+        return self._call(RolloutRequest(list(seeds), group_size, sampling, system_prompt, agent, hints, prefixes), generator)
 
     def metrics(self) -> dict[str, float]:
         return dict(self._metrics)

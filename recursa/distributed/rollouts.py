@@ -28,7 +28,9 @@ with other padding), and the step generator is left in the same state for the re
 step (the update's shuffles, skill writing). The Ray backend always uses "group" streams.
 
 `play` is the one place a backend calls the rollout functions (a rollout engine is passed
-there, once engines exist).
+there, once engines exist). A request may carry per-seed action prefixes (`rollout.branch`):
+they are split with their seeds, so branch continuations shard across workers like any
+episodes.
 """
 
 from __future__ import annotations
@@ -56,10 +58,12 @@ class RolloutRequest:
     system_prompt: str | None
     agent: AgentConfig | None = None  # None: single-turn tasks (`rollout`); set: multi-turn games (`rollout_episodes`)
     hints: list[str | None] | None = None  # per seed (RSIPO's skills.in_context)
+    prefixes: list[list[str]] | None = None  # per seed: actions replayed after reset (games; rollout.branch, recursa/branching.py)
 
     def shard(self, lo: int, hi: int) -> "RolloutRequest":
-        """The request for seeds[lo:hi] (and their hints)."""
-        return dataclasses.replace(self, seeds=self.seeds[lo:hi], hints=None if self.hints is None else self.hints[lo:hi])
+        """The request for seeds[lo:hi] (and their hints and prefixes)."""
+        return dataclasses.replace(self, seeds=self.seeds[lo:hi], hints=None if self.hints is None else self.hints[lo:hi],
+                                   prefixes=None if self.prefixes is None else self.prefixes[lo:hi])
 
 
 Result = RolloutResult | EpisodeRollout
@@ -73,7 +77,8 @@ def play(policy: Policy, pool: EnvPool, request: RolloutRequest, generator, engi
     r = request
     if r.agent is None:
         return rollout(policy, pool, r.seeds, r.group_size, r.sampling, generator, r.system_prompt, hints=r.hints, engine=engine)
-    return rollout_episodes(policy, pool, r.seeds, r.group_size, r.sampling, generator, r.system_prompt, r.agent, hints=r.hints, engine=engine)
+    return rollout_episodes(policy, pool, r.seeds, r.group_size, r.sampling, generator, r.system_prompt, r.agent, hints=r.hints, engine=engine,
+                            prefixes=r.prefixes)
 
 
 def shard_bounds(n_groups: int, n_workers: int) -> list[tuple[int, int]]:
@@ -106,8 +111,9 @@ class RolloutBackend(Protocol):
         ...
 
     def episodes(self, seeds: list[int], group_size: int, sampling: SamplingParams, generator: torch.Generator, system_prompt: str | None,
-                 agent: AgentConfig, hints: list[str | None] | None = None) -> EpisodeRollout:
-        """`group_size` game episodes per seed, grouped (as `recursa.rollout.rollout_episodes`)."""
+                 agent: AgentConfig, hints: list[str | None] | None = None, prefixes: list[list[str]] | None = None) -> EpisodeRollout:
+        """`group_size` game episodes per seed, grouped (as `recursa.rollout.rollout_episodes`); with
+        `prefixes`, each seed's episodes first replay its action prefix (branching)."""
         ...
 
     def metrics(self) -> dict[str, float]:
@@ -136,8 +142,8 @@ class LocalRollouts:
     def rollout(self, seeds, group_size, sampling, generator, system_prompt, hints=None) -> RolloutResult:
         return self._call(RolloutRequest(list(seeds), group_size, sampling, system_prompt, None, hints), generator)
 
-    def episodes(self, seeds, group_size, sampling, generator, system_prompt, agent, hints=None) -> EpisodeRollout:
-        return self._call(RolloutRequest(list(seeds), group_size, sampling, system_prompt, agent, hints), generator)
+    def episodes(self, seeds, group_size, sampling, generator, system_prompt, agent, hints=None, prefixes=None) -> EpisodeRollout:
+        return self._call(RolloutRequest(list(seeds), group_size, sampling, system_prompt, agent, hints, prefixes), generator)
 
     def metrics(self) -> dict[str, float]:
         return {}

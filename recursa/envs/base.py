@@ -115,6 +115,10 @@ class AgentEnv(Env, Protocol):
     * Optional: `state_key()` returns a string that names the current game state; the
       rollout uses it as GiGPO's anchor (two turns taken from equal keys are grouped).
       Without it, the observation text the policy acted on is the anchor.
+    * Branching rollouts (`rollout.branch`, `recursa.branching`) assume the game is
+      deterministic: `reset(seed)` followed by the same actions gives the same observations
+      and rewards. A branch replays a sampled episode's first actions that way, and a replay
+      that differs stops the run with a one-line error.
     """
 
     task: str

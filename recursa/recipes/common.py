@@ -190,17 +190,23 @@ class OpenedRun:
         return f" from {self.init_dir}" if self.init_dir is not None else ""
 
 
-def open_run(cfg, out: Path, resume: bool, log: Callable[[str], None], kl_reference: bool = False, detail: str = "") -> OpenedRun:
+def open_run(cfg, out: Path, resume: bool, log: Callable[[str], None], kl_reference: bool = False, detail: str = "",
+             single_turn_error: str | None = None) -> OpenedRun:
     """Set threads and seeds, make the envs (failing fast on a bad task spec), open the
     run store, write the resolved config (new runs), load the policy (warm start, then the
     run's own last checkpoint when resuming) and its optimizer, restore the optimizer and
     RNG state, and drop every log line after the checkpoint. With `kl_reference`, the
-    frozen reference is the initial policy (the warm start, if any), never a checkpoint."""
+    frozen reference is the initial policy (the warm start, if any), never a checkpoint.
+    `single_turn_error`: a setting that needs a multi-turn game refuses a single-turn task with
+    this one-line message, before the run directory is touched."""
     resolve_device(cfg.model.device)  # a GPU asked for and missing fails here, before the run directory is touched
     torch.set_num_threads(cfg.run.threads)
     torch.manual_seed(cfg.train.seed)
     pool = EnvPool(task_factory(cfg), supervision=supervision_of(cfg))  # env.name or the [data] rows; crashed / hung games are restarted
     multi_turn = is_agent_env(pool.take(1)[0])
+    if single_turn_error is not None and not multi_turn:
+        pool.close()
+        raise UserError(single_turn_error)
     init_dir = init_weights_dir(cfg)
     store = RunStore(out, keep_last=cfg.run.keep_last)  # takes the run directory's lock
     try:

@@ -5,11 +5,15 @@
         rollout    -> B x G trajectories (token ids, action masks, sampler log-probs, rewards);
                       for multi-turn games B x G episodes, one training row per turn; played
                       in this process or on Ray workers (`distributed`, recursa/distributed/)
+        [branches  <- rollout.branch, games: from a turn of each group's first episodes, K
+                      continuations (reset + replay of the action prefix), recursa/branching.py]
         rewards    <- the env's reward, or the weighted sum of the [[reward]] entries (recursa/rewards.py): your
                       functions, or rewards without a verifier (recursa/self_rewards.py: majority vote,
                       the policy's own verdict, the warm start's log-ratio to the base model)
         advantages <- estimator(rewards  # (B, G))            grpo | dr_grpo | rloo | reinforce_pp | gopo
-                      (+ GiGPO's step term per turn, for games)
+                      (+ GiGPO's step term per turn, for games; with branches, the estimator
+                      over each seed's roots and continuations + w x the estimator within each
+                      branch on the turns from the branch point, recursa/algorithms/branching.py)
         update     <- epochs x mini-batches of PPO-clip, micro-batched with gradient accumulation,
                       each distinct prompt computed once per micro-batch
         publish    <- the new weights to the rollout engine (`rollout.engine`; nothing to do for
@@ -27,6 +31,8 @@ the policy's device, and everything the update makes from it stays there.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import random
 import time
 from collections import deque
@@ -40,12 +46,13 @@ from recursa.algorithms.advantages import compute_advantages
 from recursa.algorithms.distill import imitation_loss
 from recursa.algorithms.gigpo import step_advantages
 from recursa.algorithms.losses import ppo_clip_loss, truncated_is_weights
+from recursa.branching import branch_metrics, branched_advantages, sample_branches
 from recursa.config import GRPOConfig
 from recursa.distributed.ddp import SINGLE, DataParallel, SingleProcess
 from recursa.distributed.rollouts import make_rollouts
 from recursa.engines import make_engine
 from recursa.envs import split_seed
-from recursa.generation import SamplingParams, prefix_lengths, sequence_logprobs, shared_prefix_logprobs
+from recursa.generation import GenerationStats, SamplingParams, prefix_lengths, sequence_logprobs, shared_prefix_logprobs
 from recursa.models import Policy
 from recursa.recipes.common import Progress, check_finite, eval_before, lr_at, open_run, run_eval, step_generator
 from recursa.recipes.gating import PromptGate, WeightsGate
@@ -274,30 +281,37 @@ def update_metrics(st: UpdateStats, rows: list[Trajectory], n_batch: int, cfg, o
     }
 
 
-def episode_rows(episodes: list[Episode], advantages: torch.Tensor, cfg: GRPOConfig) -> tuple[list[Trajectory], torch.Tensor, dict]:
-    """One training row per turn, its advantage = the episode's group advantage
-    (`advantages  # (B, G)`, broadcast over every action token of every turn) plus, with
-    GiGPO, weight x the step advantage of that turn. Returns rows, (rows,) advantages and
-    episode metrics."""
-    step_adv = [[0.0] * len(e.turns) for e in episodes]
+def episode_rows(episodes: list[Episode], advantages: torch.Tensor | list[float], cfg: GRPOConfig,
+                 extra: list[list[float]] | None = None) -> tuple[list[Trajectory], torch.Tensor, dict]:
+    """One training row per sampled turn, its advantage = the episode's group advantage
+    (`advantages`, one per episode, e.g. `(B, G)`, broadcast over every action token of every
+    turn) plus, with GiGPO, weight x the step advantage of that turn, plus `extra[e][u]` for
+    sampled turn u of episode e when given (the branch term, `rollout.branch`). A branch
+    continuation's replayed turns make no rows and join no GiGPO step group; the episode
+    metrics are over the ordinary episodes. Returns rows, (rows,) advantages and episode metrics."""
+    sampled = [e.turns[e.branch_turn or 0:] for e in episodes]
+    step_adv = [[0.0] * len(turns) for turns in sampled]
     if cfg.algo.step_advantage == "gigpo":
         step_adv = step_advantages(
             [e.group for e in episodes],
-            [[t.anchor for t in e.turns] for e in episodes],
-            [[t.reward for t in e.turns] for e in episodes],
+            [[t.anchor for t in turns] for turns in sampled],
+            [[t.reward for t in turns] for turns in sampled],
             gamma=cfg.algo.gigpo_gamma,
             norm=cfg.algo.gigpo_norm,
         )
+    flat = advantages.view(-1) if isinstance(advantages, torch.Tensor) else advantages
     rows, row_adv = [], []
     for e, episode in enumerate(episodes):
         for t, row in enumerate(episode.rows()):
             rows.append(row)
-            row_adv.append(float(advantages.view(-1)[e]) + cfg.algo.gigpo_weight * step_adv[e][t])
+            a = float(flat[e]) + cfg.algo.gigpo_weight * step_adv[e][t]
+            row_adv.append(a if extra is None else a + extra[e][t])
     n_steps = max(sum(len(a) for a in step_adv), 1)
+    roots = [e for e in episodes if e.branch_turn is None]
     metrics = {
-        "episode/success_rate": sum(e.won for e in episodes) / len(episodes),
-        "episode/turns_mean": sum(len(e.turns) for e in episodes) / len(episodes),
-        "episode/invalid_rate": sum(e.invalid_rate for e in episodes) / len(episodes),
+        "episode/success_rate": sum(e.won for e in roots) / len(roots),
+        "episode/turns_mean": sum(len(e.turns) for e in roots) / len(roots),
+        "episode/invalid_rate": sum(e.invalid_rate for e in roots) / len(roots),
         "episode/step_adv_abs_mean": sum(abs(a) for sa in step_adv for a in sa) / n_steps,
         "batch/rows": len(rows),
     }
@@ -334,7 +348,10 @@ def _score(logprobs, model, batch: TrainBatch, temperature: float, micro: int, c
 
 def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress | None = None, log: Callable[[str], None] = print) -> Path:
     """Run the recipe into `out` (continuing from its last checkpoint when `resume`)."""
-    run = open_run(cfg, out, resume, log, kl_reference=cfg.algo.kl_coef > 0)
+    branching = cfg.rollout.branch != "off"
+    single_turn_error = (f"rollout.branch = {cfg.rollout.branch!r} branches multi-turn games, but this task is single-turn (one reply per episode, "
+                         "nothing to replay): set rollout.branch = 'off', or train on a game such as env.name = 'household'") if branching else None
+    run = open_run(cfg, out, resume, log, kl_reference=cfg.algo.kl_coef > 0, single_turn_error=single_turn_error)
     pool, store, policy, optimizer, multi_turn = run.pool, run.store, run.policy, run.optimizer, run.multi_turn
     model = policy.causal_lm
     start_step, opt_step = run.start_step, run.opt_steps
@@ -353,27 +370,44 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
 
     sampling = SamplingParams(cfg.sampling.max_new_tokens, cfg.sampling.temperature, cfg.sampling.top_p, tuple(cfg.sampling.stop))
     B, G = cfg.train.prompts_per_step, cfg.train.group_size
+    sampled_total = int(run.state.get("episodes", start_step * B * G))  # budget/episodes: every episode sampled so far, branches included
     for step in range(start_step, cfg.train.steps):
         t0 = time.perf_counter()
         gen = step_generator(cfg.train.seed, step)
         seeds = train_seeds(cfg, step)
         system_prompt = cfg.model.system_prompt or None
         episode_metrics, reward_metrics = {}, {}
+        branches = None
         if multi_turn:
             # Multi-turn: the group is the G episodes of one game seed; the episode's
             # advantage is broadcast over every action token of every turn (+ GiGPO's
             # step term when asked). Each turn is one training row.
             ero = rollouts.episodes(seeds, G, sampling, gen, system_prompt, cfg.agent)
             episodes, gen_stats = ero.episodes, ero.stats
+            if branching:  # K continuations from a turn of each group's first episodes, replayed to it (recursa/branching.py)
+                branches = sample_branches(rollouts, episodes, G, sampling, gen, system_prompt, cfg.agent, cfg.rollout)
+                gen_stats = GenerationStats(*(a + b for a, b in zip(dataclasses.astuple(gen_stats), dataclasses.astuple(branches.stats))))
             t1 = time.perf_counter()
-            totals = [e.total_reward for e in episodes]
+            played = episodes + (branches.episodes if branches is not None else [])  # the roots first, then the continuations
+            totals = [e.total_reward for e in played]
             if reward_set is not None:  # [[reward]]: each function scores the episode's action transcript at its end
-                scored = score_episodes(reward_set, episodes)
+                scored = score_episodes(reward_set, episodes)  # reward/* describe the step's own episodes
                 totals, reward_metrics = scored.totals, scored.metrics
-            rewards = torch.tensor(totals, dtype=torch.float32, device="cpu").view(B, G)  # (B, G)
+                if branches is not None:  # a continuation's transcript is the whole game, its replayed actions included
+                    totals = totals + score_episodes(reward_set, branches.episodes).totals
+            rewards = torch.tensor(totals[: B * G], dtype=torch.float32, device="cpu").view(B, G)  # (B, G)
             check_finite(step + 1, rewards=rewards)  # an env's NaN reward is named, never trained on
-            advantages = compute_advantages(cfg.algo.advantage, rewards)  # (B, G)
-            trajs, row_advantages, episode_metrics = episode_rows(episodes, advantages, cfg)
+            if branches is None:
+                advantages = compute_advantages(cfg.algo.advantage, rewards)  # (B, G)
+                trajs, row_advantages, episode_metrics = episode_rows(episodes, advantages, cfg)
+            else:  # A_E over each seed's roots and continuations, + w A_B within each branch from its branch turn on
+                continued = torch.tensor(totals[B * G :], dtype=torch.float32, device="cpu").view(B, cfg.rollout.branch_sources, cfg.rollout.branch_k)  # (B, S, K)
+                check_finite(step + 1, rewards=continued)
+                estimator = functools.partial(compute_advantages, cfg.algo.advantage)
+                branch_adv, outer, terms = branched_advantages(branches, episodes, rewards, continued, estimator, cfg.rollout.branch_weight)
+                advantages = branch_adv.episode  # (B, G + S K)
+                trajs, row_advantages, episode_metrics = episode_rows(played, outer, cfg, terms)
+                episode_metrics.update(branch_metrics(branches, branch_adv))
             failures.extend((f"{e.task} {e.turns[-1].observation}", " | ".join(t.action for t in e.turns[-3:])) for e in episodes if not e.won and e.turns)
         else:
             ro = rollouts.rollout(seeds, G, sampling, gen, system_prompt)
@@ -402,16 +436,19 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
         lengths = torch.tensor([t.num_action_tokens for t in trajs], dtype=torch.float32, device="cpu")
         prompt_tokens = sum(len(t.token_ids) - t.num_action_tokens for t in trajs)
         zero_var = (rewards.std(dim=1) == 0).float().mean()
+        n_sampled = B * G + (len(branches.episodes) if branches is not None else 0)
+        sampled_total += n_sampled
+        root_rows = trajs if branches is None else trajs[: sum(len(e.turns) for e in episodes)]  # the roots' rows come first
         metrics = {
             **episode_metrics,
             "reward/mean": rewards.mean().item(),
             "reward/std": rewards.std().item(),
             **reward_metrics,
-            "reward/success_rate": sum(t.success for t in trajs) / len(trajs),
+            "reward/success_rate": sum(t.success for t in root_rows) / len(root_rows),
             "reward/zero_std_groups": zero_var.item(),
             "advantage/abs_mean": advantages.abs().mean().item(),
-            "episodes/sampled": B * G,  # every episode this step sampled (RSIPO adds its hinted re-rolls)
-            "budget/episodes": (step + 1) * B * G,
+            "episodes/sampled": n_sampled,  # every episode this step sampled: B x G, plus the branch continuations (RSIPO: its hinted re-rolls)
+            "budget/episodes": sampled_total,
             **update_metrics(st, trajs, len(trajs), cfg, opt_step),
             "time/rollout_s": t1 - t0,
             "time/update_s": t2 - t1,
@@ -443,7 +480,8 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
             log(f"eval @ {done}: success {r.success_rate:.3f} [{r.ci95[0]:.3f}, {r.ci95[1]:.3f}]")
         if (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0) or done == cfg.train.steps:
             saved = reward_set.state_dict() if reward_set is not None else {}
-            store.save_checkpoint(done, policy, optimizer, {"opt_steps": opt_step, **({"rewards": saved} if saved else {})})
+            state = {"opt_steps": opt_step, **({"rewards": saved} if saved else {}), **({"episodes": sampled_total} if branching else {})}
+            store.save_checkpoint(done, policy, optimizer, state)
 
     rollouts.close()
     if cfg.train.steps == 0 and store.latest_checkpoint() is None:
