@@ -27,7 +27,7 @@ SIZE_LIMITS: dict[str, float] = {
     "epochs": 10_000, "mini_batches": 65_536, "micro_batch_size": 65_536, "batch_size": 1_000_000, "max_new_tokens": 1_048_576,
     "n": 10_000_000, "logit_chunk": 1 << 24, "threads": 4096, "workers": 4096, "rerolls": 4096, "hidden_size": 1 << 16,
     "intermediate_size": 1 << 18, "num_layers": 4096, "num_heads": 4096, "num_kv_heads": 4096, "max_positions": 1 << 22,
-    "lr": 1.0, "log_samples": 100_000, "prompt_candidates": 1024, "max_test_looks": 100_000, "step_timeout": 86_400.0,
+    "lr": 1.0, "log_samples": 100_000, "igrpo_drafts": 4096, "prompt_candidates": 1024, "max_test_looks": 100_000, "step_timeout": 86_400.0,
 }
 
 
@@ -355,8 +355,36 @@ class RolloutConfig(_Section):
     )
 
 
+OBJECTIVES = ("ppo", "spo", "gpg", "rebel", "nft", "apo")
+SEQUENCE_OBJECTIVES = ("rebel", "apo")  # a loss of whole sequences' log-ratios (recursa/algorithms/objectives.py)
+
+
 class AlgoConfig(_Section):
-    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gopo"] = Field("grpo", description="outcome advantage estimator")
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gopo", "gpg"] = Field(
+        "grpo", description="outcome advantage estimator (gpg: alpha x (r - group mean), alpha = groups / groups with unequal rewards)",
+    )
+    objective: Literal["ppo", "spo", "gpg", "rebel", "nft", "apo"] = Field(
+        "ppo",
+        description="the policy loss (docs/objectives.md): ppo, the clipped surrogate; spo, a quadratic penalty on the ratio in place of the "
+        "clip; gpg, the plain policy gradient -A logp (GPG as published: with advantage = 'gpg'); rebel, pairs of a group regress their "
+        "log-ratio difference / rebel_eta onto their reward difference; nft, likelihood on successes and on failures through the implicit "
+        "negative policy; apo, A*-PO's regression of apo_beta x log(pi / pi_ref) onto r - V*(x). rebel, nft and apo read rewards and "
+        "success, not the advantage. The grpo recipe's option (rsipo keeps ppo)",
+    )
+    spo_eps: float = Field(0.2, gt=0, description="objective 'spo': eps of the penalty |A| / (2 eps) (ratio - 1)^2 (the ratio's objective peaks at 1 + eps sign(A))")
+    rebel_eta: float = Field(1.0, gt=0, description="objective 'rebel': eta in ((S_i - S_j) / eta - (r_i - r_j))^2, S the sequence log-ratio to the sampling policy")
+    nft_neg_clamp: float = Field(
+        1.0, gt=0, le=1, description="objective 'nft': lower clamp of a failure's implicit-negative ratio (1 - r_q R) / (1 - r_q) inside the log (value only; gradient straight through)",
+    )
+    apo_beta: float = Field(0.5, gt=0, description="objective 'apo': beta in (beta log(pi / pi_ref) - (r - V*))^2")
+    apo_value_beta: float = Field(0.5, gt=0, description="objective 'apo': beta in V*(x) = beta log mean_j exp(r_j / beta) over the task group's rewards")
+    igrpo: bool = Field(
+        False,
+        description="iGRPO: each task first gets igrpo_drafts draft episodes (not trained); the best draft by reward is shown in the prompt "
+        "and the train.group_size refinements sampled from that prompt are what the update trains on (grpo recipe)",
+    )
+    igrpo_drafts: int = Field(4, ge=1, description="igrpo: draft episodes per task (the step samples prompts_per_step x (igrpo_drafts + group_size) episodes)")
+    igrpo_draft_chars: int = Field(400, gt=0, description="igrpo: the best draft shown in the prompt is clipped to this many characters")
     clip_low: float = Field(0.2, gt=0, lt=1, description="PPO ratio lower clip: 1 - clip_low")
     clip_high: float = Field(0.28, gt=0, description="PPO ratio upper clip: 1 + clip_high (asymmetric 'clip-higher')")
     dual_clip: float | None = Field(None, gt=1, description="dual-clip constant c > 1 for negative advantages; None disables")
@@ -367,6 +395,11 @@ class AlgoConfig(_Section):
     gigpo_gamma: float = Field(0.95, ge=0, le=1, description="discount of the step returns in GiGPO")
     gigpo_weight: float = Field(1.0, ge=0, description="weight of the step term: A = A_episode + weight * A_step")
     gigpo_norm: Literal["std", "none"] = Field("std", description="normalise step advantages by the step group's std, or only centre them")
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the update reads the reference policy's log-probs (the KL term, or A*-PO's pi_ref)."""
+        return self.kl_coef > 0 or self.objective == "apo"
 
 
 class OptimConfig(_Section):
@@ -653,7 +686,36 @@ class GRPOConfig(RecipeBase):
             )
         _check_distributed(self)
         _check_rewards(self)
+        _check_objective(self)
         return self
+
+
+def _check_objective(cfg) -> None:
+    """Rules of `algo.objective` across sections."""
+    objective = cfg.algo.objective
+    if objective in ("gpg", "rebel", "nft", "apo") and cfg.algo.kl_coef > 0:
+        raise ValueError(
+            f"algo.objective = {objective!r} has no KL-to-reference term (A*-PO regresses onto the reference itself): set algo.kl_coef = 0, "
+            "or use objective 'ppo' or 'spo'"
+        )
+    if objective in SEQUENCE_OBJECTIVES and cfg.train.mini_batches > 1:
+        raise ValueError(
+            f"algo.objective = {objective!r} is a loss of whole sequences and task groups, which mini-batches would split: set train.mini_batches = 1 "
+            "(train.epochs may be > 1)"
+        )
+    if objective in ("rebel", "nft", "apo") and cfg.algo.step_advantage != "none":
+        raise ValueError(
+            f"algo.step_advantage = {cfg.algo.step_advantage!r} adds to the advantage, which algo.objective = {objective!r} does not read "
+            "(it reads rewards and verdicts): set algo.step_advantage = 'none'"
+        )
+    if objective in SEQUENCE_OBJECTIVES and cfg.rollout.tis_cap is not None:
+        raise ValueError(f"rollout.tis_cap weights per-token losses; algo.objective = {objective!r} is a loss of whole sequences: set rollout.tis_cap = None")
+    branch = getattr(cfg.rollout, "branch", "off")
+    if branch != "off" and objective in ("rebel", "nft", "apo"):
+        raise ValueError(f"rollout.branch = {branch!r} trains continuations on branch advantages, which algo.objective = {objective!r} does not read: "
+                         "set rollout.branch = 'off', or use objective 'ppo', 'spo' or 'gpg'")
+    if branch != "off" and cfg.algo.igrpo:
+        raise ValueError(f"algo.igrpo shows each game's best draft in its prompts, which rollout.branch = {branch!r}'s replays do not: use one of the two")
 
 
 class TeacherConfig(_Section):
@@ -813,6 +875,9 @@ class RSIPOConfig(RecipeBase):
 
     @model_validator(mode="after")
     def _check(self) -> "RSIPOConfig":
+        if self.algo.objective != "ppo" or self.algo.igrpo:
+            key = "algo.igrpo = true" if self.algo.igrpo else f"algo.objective = {self.algo.objective!r}"
+            raise ValueError(f"{key} is an option of the grpo recipe; RSIPO's update is PPO-clip: use recipe = 'grpo', or leave the key at its default")
         GRPOConfig._check(self)  # same batching, temperature and test-look rules
         if self.skills.eval_both:
             _check_test_looks(self, self.train.steps, extra_after=1)

@@ -54,6 +54,9 @@ SCENARIOS = {
                                                                "train.mini_batches=3"], "some-zero", None, False),
     "kl, 2 epochs, several per rank": (["algo.kl_coef=0.1", "train.epochs=2", "train.micro_batch_size=2"], "some-zero", None, False),
     "supervised step, several per rank": (["train.micro_batch_size=2"], "some-zero", "supervised", False),
+    "rebel, 2 epochs (outcomes)": (["algo.objective=rebel", "train.epochs=2", "train.micro_batch_size=5"], "some-zero", "outcomes", True),
+    "a*-po, reference, several per rank (outcomes)": (["algo.objective=apo", "train.epochs=2", "train.micro_batch_size=2"], "some-zero", "outcomes", False),
+    "nft, 2 epochs (outcomes)": (["algo.objective=nft", "train.epochs=2", "train.micro_batch_size=5"], "some-zero", "outcomes", True),
 }
 
 
@@ -99,10 +102,15 @@ def _run_update(policy, optimizer, batch, cfg, extra, learner=None):
     learner = learner or SINGLE
     if extra == "supervised":
         return asdict(supervised_step(policy, optimizer, batch, cfg, 0, learner=learner))
-    imitation = None
+    imitation, outcomes = None, None
     if extra == "imitation":
         imitation = Imitation(batch.action_mask * torch.linspace(0.1, 1.0, len(batch))[:, None], 0.5)
-    return asdict(update(policy, optimizer, batch, cfg, torch.Generator().manual_seed(3), 0, imitation, learner=learner))
+    if extra == "outcomes":  # REBEL, NFT, A*-PO: rewards and verdicts of the 3 groups of 3 (the middle group all equal)
+        from recursa.recipes.grpo import Outcomes
+
+        rewards = torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.5, 1.0]])
+        outcomes = Outcomes(rewards, (rewards >= 1).float(), torch.arange(9))
+    return asdict(update(policy, optimizer, batch, cfg, torch.Generator().manual_seed(3), 0, imitation, learner=learner, outcomes=outcomes))
 
 
 def _setup(name):
@@ -112,7 +120,7 @@ def _setup(name):
     cfg = load_config(None, [*TINY, *sets])
     torch.manual_seed(0)
     policy = load_policy(cfg.model)
-    if cfg.algo.kl_coef > 0:
+    if cfg.algo.needs_reference:
         policy.enable_reference()
     return cfg, policy, kind, extra, exact
 

@@ -30,13 +30,20 @@ unbiased std s = sqrt( sum_j (r_j - m)^2 / (G - 1) ).
   The mean rank is always (G-1)/2, so A sums to 0 per group; without ties A
   spans [-1, 1] in equal steps.  Only comparisons of rewards are used, so A is
   invariant under any strictly increasing transform of the rewards.
+* ``gpg``          A_i = alpha (r_i - m),  alpha = B / B_valid     (Chu et al. 2025, GPG)
+  B_valid is the number of groups whose rewards are not all equal.  Those groups
+  carry the whole gradient, yet a token-mean loss divides by every row; alpha scales
+  the valid groups back up (GPG's "accurate gradient estimation", with F_norm = 1,
+  the paper's best setting).  alpha counts groups, the paper counts samples: the same
+  for equal group sizes.  Departure from verl, which divides B by the number of
+  nonzero rewards.  With no valid group every advantage is 0.
 
 Conventions shared by all estimators:
 
 * A group whose rewards are all equal (zero variance) has no learning signal;
   its advantages are exactly 0.0 (forced, not left to floating-point luck).
 * A group of size G = 1 is a zero-variance group for grpo, dr_grpo,
-  reinforce_pp and gopo (advantage 0); rloo raises, since its baseline is
+  reinforce_pp, gopo and gpg (advantage 0); rloo raises, since its baseline is
   undefined.
 * Integer / bool rewards are cast to the default float dtype; rewards must be
   finite and 2-D, otherwise ValueError.
@@ -54,6 +61,7 @@ __all__ = [
     "rloo",
     "reinforce_pp",
     "gopo",
+    "gpg",
     "ESTIMATORS",
     "compute_advantages",
 ]
@@ -157,12 +165,23 @@ def gopo(rewards: torch.Tensor) -> torch.Tensor:
     return (rank - half_range) / half_range
 
 
+def gpg(rewards: torch.Tensor) -> torch.Tensor:
+    """GPG advantage alpha (r - group mean), alpha = groups / groups with unequal rewards.  (B, G) -> (B, G)"""
+    rewards = _check_rewards(rewards)
+    centred = _group_centred(rewards)  # (B, G), 0 in constant groups
+    n_valid = int((~_constant_groups(rewards)).sum().item())
+    if n_valid == 0:
+        return torch.zeros_like(centred)
+    return centred * (rewards.shape[0] / n_valid)
+
+
 ESTIMATORS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "grpo": grpo,
     "dr_grpo": dr_grpo,
     "rloo": rloo,
     "reinforce_pp": reinforce_pp,
     "gopo": gopo,
+    "gpg": gpg,
 }
 
 

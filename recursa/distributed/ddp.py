@@ -12,7 +12,8 @@ checkpoints; it alone touches the run directory. Every other rank is a *worker* 
 that holds a copy of the model and joins each update:
 
     driver  announce    -> the batch, the step's generator state, the optimizer step count
-                           (and RSIPO's imitation weights): every rank now holds the same
+                           (and RSIPO's imitation weights, the outcomes REBEL, NFT and
+                           A*-PO read): every rank now holds the same
                            inputs, so every rank draws the same shuffles and picks the same rows
     all     share       <- rank 0's current weights (all of them, and the KL reference, the
                            first time; the trainable ones after that), so a gate rollback, a
@@ -295,7 +296,7 @@ def serve(learner: DataParallel, log: Callable[[str], None] = print) -> None:
             imitation = payload["imitation"]
             if imitation is not None:
                 imitation = Imitation(imitation.weights.to(policy.device), imitation.coef)
-            update(policy, optimizer, batch, cfg, generator, payload["opt_step"], imitation, learner=learner)
+            update(policy, optimizer, batch, cfg, generator, payload["opt_step"], imitation, learner=learner, outcomes=payload.get("outcomes"))
         elif kind == "supervised":
             supervised_step(policy, optimizer, batch, cfg, payload["opt_step"], learner=learner)
         else:

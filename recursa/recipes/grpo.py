@@ -10,16 +10,20 @@
         rewards    <- the env's reward, or the weighted sum of the [[reward]] entries (recursa/rewards.py): your
                       functions, or rewards without a verifier (recursa/self_rewards.py: majority vote,
                       the policy's own verdict, the warm start's log-ratio to the base model)
-        advantages <- estimator(rewards  # (B, G))            grpo | dr_grpo | rloo | reinforce_pp | gopo
+        advantages <- estimator(rewards  # (B, G))            grpo | dr_grpo | rloo | reinforce_pp | gopo | gpg
                       (+ GiGPO's step term per turn, for games; with branches, the estimator
                       over each seed's roots and continuations + w x the estimator within each
                       branch on the turns from the branch point, recursa/algorithms/branching.py)
-        update     <- epochs x mini-batches of PPO-clip, micro-batched with gradient accumulation,
-                      each distinct prompt computed once per micro-batch
+        update     <- epochs x mini-batches of the objective's loss (`algo.objective`: PPO-clip by
+                      default; SPO, GPG, REBEL, NFT, A*-PO through the table `LOSSES`), micro-batched
+                      with gradient accumulation, each distinct prompt computed once per micro-batch
         publish    <- the new weights to the rollout engine (`rollout.engine`; nothing to do for
                       the native sampler, which runs on the trainer's own module)
         evaluate   <- every `eval.every` steps, and before / after training
         checkpoint <- every `run.checkpoint_every` steps and at the end
+
+With `algo.igrpo`, the rollout is preceded by iGRPO's draft stage (`draft_hints`): drafts per
+task, the best of them shown in the prompt of the rollout the update trains on.
 
 Every random draw of step k comes from a generator seeded by (train.seed, k), so a run
 resumed from a checkpoint replays exactly what an uninterrupted run would have done.
@@ -46,6 +50,9 @@ from recursa.algorithms.advantages import compute_advantages
 from recursa.algorithms.distill import imitation_loss
 from recursa.algorithms.gigpo import step_advantages
 from recursa.algorithms.losses import ppo_clip_loss, truncated_is_weights
+from recursa.algorithms.objectives import (
+    apo_loss, apo_values, nft_loss, pg_loss, ratio_stats, rebel_loss, sequence_sums, sequence_surrogate, sequence_weights, spo_loss,
+)
 from recursa.branching import branch_metrics, branched_advantages, sample_branches
 from recursa.config import GRPOConfig
 from recursa.distributed.ddp import SINGLE, DataParallel, SingleProcess
@@ -92,6 +99,96 @@ class Imitation:
     coef: float
 
 
+@dataclass
+class Outcomes:
+    """The sampled sequences' outcomes, which the objectives 'rebel', 'nft' and 'apo' read instead
+    of the advantage: each sequence's reward and verdict, and the sequence of each training row
+    (a game's turns are rows of their episode; a single-turn row is its own sequence)."""
+
+    rewards: torch.Tensor  # (B, G) the training reward of each sequence (the env's, or the [[reward]] sum)
+    success: torch.Tensor  # (B, G) 1.0 where it succeeded (answer correct, game won), else 0.0
+    row_seq: torch.Tensor  # (N,) long: the sequence b * G + g each row of the batch belongs to
+
+    def to(self, device: torch.device | str) -> "Outcomes":
+        return Outcomes(self.rewards.to(device), self.success.to(device), self.row_seq.to(device))
+
+    def per_row(self, values: torch.Tensor) -> torch.Tensor:
+        """(B, G) per-sequence values -> (N,) per row."""
+        return values.reshape(-1)[self.row_seq]
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch as the objectives' losses (`LOSSES`) read it; the per-row inputs of NFT and
+    of the sequence objectives are set only for them."""
+
+    logp: torch.Tensor  # (b, T) current policy, grad flows
+    logp_old: torch.Tensor  # (b, T) the policy the rows were sampled from
+    mask: torch.Tensor  # (b, T) 1 at action tokens
+    advantages: torch.Tensor  # (b,) or (b, T)
+    logp_ref: torch.Tensor | None  # (b, T) reference policy, when the update keeps one
+    token_weights: torch.Tensor | None  # (b, T) truncated importance weights (rollout.tis_cap)
+    num_tokens: int  # action tokens of the whole mini-batch (aggregation denominators)
+    num_seqs: int  # rows of the whole mini-batch
+    norm_len: int  # sampling.max_new_tokens, seq-mean-token-sum-norm's constant
+    positive: torch.Tensor | None = None  # (b,) NFT: 1.0 where the row's sequence succeeded
+    pass_rate: torch.Tensor | None = None  # (b,) NFT: the success rate of its task group
+    seq_weight: torch.Tensor | None = None  # (b,) REBEL, A*-PO: dL/dS of the row's sequence at the current weights
+    seq_share: float = 0.0  # REBEL, A*-PO: these rows' share of the loss value L(S)
+
+
+def _ppo(mb: MicroBatch, ac) -> tuple[torch.Tensor, dict]:
+    return ppo_clip_loss(
+        mb.logp, mb.logp_old, mb.advantages, mb.mask, clip_low=ac.clip_low, clip_high=ac.clip_high, dual_clip=ac.dual_clip, agg=ac.agg,
+        num_tokens=mb.num_tokens, num_seqs=mb.num_seqs, norm_len=mb.norm_len, logp_ref=mb.logp_ref, kl_coef=ac.kl_coef,
+        kl_estimator=ac.kl_estimator, token_weights=mb.token_weights,
+    )
+
+
+def _spo(mb: MicroBatch, ac) -> tuple[torch.Tensor, dict]:
+    return spo_loss(
+        mb.logp, mb.logp_old, mb.advantages, mb.mask, eps=ac.spo_eps, agg=ac.agg, num_tokens=mb.num_tokens, num_seqs=mb.num_seqs,
+        norm_len=mb.norm_len, logp_ref=mb.logp_ref, kl_coef=ac.kl_coef, kl_estimator=ac.kl_estimator, token_weights=mb.token_weights,
+    )
+
+
+def _gpg(mb: MicroBatch, ac) -> tuple[torch.Tensor, dict]:
+    return pg_loss(mb.logp, mb.logp_old, mb.advantages, mb.mask, agg=ac.agg, num_tokens=mb.num_tokens, num_seqs=mb.num_seqs,
+                   norm_len=mb.norm_len, token_weights=mb.token_weights)
+
+
+def _nft(mb: MicroBatch, ac) -> tuple[torch.Tensor, dict]:
+    return nft_loss(mb.logp, mb.logp_old, mb.positive, mb.pass_rate, mb.mask, neg_clamp=ac.nft_neg_clamp, agg=ac.agg,
+                    num_tokens=mb.num_tokens, num_seqs=mb.num_seqs, norm_len=mb.norm_len, token_weights=mb.token_weights)
+
+
+def _sequence(mb: MicroBatch, ac) -> tuple[torch.Tensor, dict]:
+    loss = sequence_surrogate(mb.logp, mb.mask, mb.seq_weight, mb.seq_share)
+    return loss, ratio_stats(mb.logp, mb.logp_old, mb.mask, mb.logp_ref, ac.kl_estimator)
+
+
+# algo.objective -> the micro-batch loss: (MicroBatch, AlgoConfig) -> (loss, stats with clip_frac, kl, approx_kl_old, ratio_max)
+LOSSES: dict[str, Callable[[MicroBatch, object], tuple[torch.Tensor, dict]]] = {
+    "ppo": _ppo, "spo": _spo, "gpg": _gpg, "nft": _nft, "rebel": _sequence, "apo": _sequence,
+}
+
+
+def _rebel(seq_logratio: torch.Tensor, outcomes: Outcomes, ac) -> torch.Tensor:
+    B, G = outcomes.rewards.shape
+    groups = torch.arange(B, device=seq_logratio.device).repeat_interleave(G)  # sequence b * G + g is in group b
+    return rebel_loss(seq_logratio, outcomes.rewards.reshape(-1), groups, ac.rebel_eta)
+
+
+def _apo(seq_logratio: torch.Tensor, outcomes: Outcomes, ac) -> torch.Tensor:
+    # V*(x) from the group's own rewards: the stand-in for A*-PO's offline samples of pi_ref (docs/objectives.md)
+    targets = outcomes.rewards - apo_values(outcomes.rewards, ac.apo_value_beta).unsqueeze(1)  # (B, G): r - V*(x)
+    return apo_loss(seq_logratio, targets.reshape(-1), ac.apo_beta)
+
+
+# algo.objective -> L(S), a loss of the sequences' log-ratios S (to the sampling policy for REBEL, to the reference for A*-PO)
+SEQUENCE_LOSSES: dict[str, Callable[[torch.Tensor, Outcomes, object], torch.Tensor]] = {"rebel": _rebel, "apo": _apo}
+
+
 def update(
     policy: Policy,
     optimizer: torch.optim.Optimizer,
@@ -101,13 +198,21 @@ def update(
     opt_step: int,
     imitation: Imitation | None = None,
     learner: DataParallel | SingleProcess = SINGLE,
+    outcomes: Outcomes | None = None,
 ) -> UpdateStats:
-    """epochs x mini-batches of PPO-clip on one rollout batch; returns averaged stats.
+    """epochs x mini-batches of the objective's loss on one rollout batch; returns averaged stats.
 
     `batch.advantages` is (N,) per row or (N, L) per token; `imitation` adds its term to
     the loss (RSIPO). Without either generalisation this is the GRPO update. With a
     `DataParallel` learner every rank runs its slice of each mini-batch's rows and rank 0
     steps (`recursa.distributed.ddp`); the stats are the whole batch's, on rank 0.
+
+    `algo.objective` picks the micro-batch loss from `LOSSES` (PPO-clip by default); 'rebel',
+    'nft' and 'apo' read `outcomes` instead of the advantage. The sequence objectives ('rebel',
+    'apo', `SEQUENCE_LOSSES`) are losses L(S) of whole sequences' log-ratios: before every
+    optimizer step S is computed for every sequence at the current weights, and each row's
+    loss is weighted by dL/dS of its sequence (`objectives.sequence_weights`), which gives
+    L's exact gradient however the rows are split into micro-batches.
 
     The engine's log-probs (`batch.sample_logprobs`) are compared with the trainer's own at
     the rollout's weights (`logprob_mismatch`: over every row when the old log-probs are
@@ -116,7 +221,10 @@ def update(
     logp_engine), cap) (truncated importance sampling, `losses.truncated_is_weights`)."""
     tc, ac = cfg.train, cfg.algo
     tis_cap = cfg.rollout.tis_cap
-    learner.announce("update", batch=batch, generator=generator.get_state(), opt_step=opt_step, imitation=imitation)
+    sequence_objective = ac.objective in SEQUENCE_LOSSES
+    if ac.objective in ("rebel", "nft", "apo") and outcomes is None:
+        raise ValueError(f"algo.objective = {ac.objective!r} reads the rollout's outcomes: pass outcomes=Outcomes(...)")
+    learner.announce("update", batch=batch, generator=generator.get_state(), opt_step=opt_step, imitation=imitation, outcomes=outcomes)
     learner.share_weights(policy)  # workers start from rank 0's weights (a rollback or resume included)
     model = policy.causal_lm
     temperature = cfg.sampling.temperature
@@ -125,21 +233,31 @@ def update(
     logprobs = shared_prefix_logprobs if tc.shared_prefix else sequence_logprobs
     if tc.old_logprobs == "sampling":
         logp_old_all = batch.sample_logprobs
-    elif single_update:
+    elif single_update and not sequence_objective:
         logp_old_all = None  # on-policy: the current forward, detached, is the old policy
     else:
         logp_old_all = _score(logprobs, model, batch, temperature, tc.micro_batch_size, tc.logit_chunk, learner)
     logp_ref_all = None
-    if ac.kl_coef > 0:
+    if ac.needs_reference:
         with policy.reference_context() as ref:
             logp_ref_all = _score(logprobs, ref, batch, temperature, tc.micro_batch_size, tc.logit_chunk, learner)
+    if outcomes is not None:
+        outcomes = outcomes.to(batch.device)
+    # what marks a row as live (a zero row adds nothing to the gradient): its advantage, NFT's
+    # group weight, or a sequence objective's dL/dS (set before every optimizer step below)
+    signal = batch.advantages
+    if ac.objective == "nft":
+        rate = outcomes.success.mean(dim=1, keepdim=True).expand_as(outcomes.success)  # (B, G): each group's pass rate
+        positive, pass_rate = outcomes.per_row(outcomes.success), outcomes.per_row(rate)  # (N,), (N,)
+        signal = pass_rate * (1.0 - pass_rate)  # 0 in groups of one verdict, which NFT leaves out
+    seq_weight, seq_value = None, 0.0
 
     # rollout/logprob_mismatch, the trainer's own log-probs at the rollout's weights against the
     # engine's: recomputed old log-probs give them for every row up front; otherwise each run
     # row's first forward does (before any optimizer step), or one scoring pass when the update
     # runs no row at all (every advantage zero)
     trainer_logp_all = logp_old_all if tc.old_logprobs == "recompute" else None
-    if trainer_logp_all is None and _runs_no_row(batch, cfg, imitation):
+    if trainer_logp_all is None and not sequence_objective and _runs_no_row(signal, cfg, imitation):
         trainer_logp_all = _score(logprobs, model, batch, temperature, tc.micro_batch_size, tc.logit_chunk)
     # (|logp_trainer - logp_engine| sum, its tokens, TIS weight sum, truncated, weighted tokens), read once at the end
     engine_stats = torch.zeros(5, dtype=torch.float64, device=batch.device)
@@ -159,6 +277,9 @@ def update(
             mb_idx = order[m * n // tc.mini_batches : (m + 1) * n // tc.mini_batches]  # every row, also when n % mini_batches != 0 (games)
             if out.opt_steps:
                 learner.share_weights(policy)  # every rank runs this mini-batch at the weights after the last step
+            if sequence_objective:  # S of every sequence at the current weights -> each row's weight dL/dS (one mini-batch: config rule)
+                seq_value, seq_weight = _sequence_weights(policy, batch, cfg, outcomes, logp_old_all, logp_ref_all, out.opt_steps, learner)
+                signal = seq_weight
             num_tokens = int(batch.action_mask[mb_idx].sum().item())
             for g in optimizer.param_groups:
                 g["lr"] = lr_at(cfg, opt_step)
@@ -169,7 +290,7 @@ def update(
             # exactly the full batch's. Zero-variance groups are common late in training.
             work = mb_idx
             if tc.skip_zero_advantage and ac.kl_coef == 0:
-                live = batch.advantages[mb_idx] != 0
+                live = signal[mb_idx] != 0
                 live = live.any(dim=1) if live.dim() == 2 else live
                 if imitation is not None and imitation.coef > 0:
                     live = live | (imitation.weights[mb_idx] != 0).any(dim=1)
@@ -197,23 +318,15 @@ def update(
                         engine_stats[2] += token_weights[on].sum()
                         engine_stats[3] += (token_weights[on] >= tis_cap).sum()
                         engine_stats[4] += on.sum()
-                loss, st = ppo_clip_loss(
-                    logp,
-                    logp_old,
-                    mb.advantages,
-                    mb.action_mask,
-                    clip_low=ac.clip_low,
-                    clip_high=ac.clip_high,
-                    dual_clip=ac.dual_clip,
-                    agg=ac.agg,
-                    num_tokens=num_tokens,
-                    num_seqs=len(mb_idx),
-                    norm_len=cfg.sampling.max_new_tokens,
-                    logp_ref=None if logp_ref_all is None else logp_ref_all[idx, :L],
-                    kl_coef=ac.kl_coef,
-                    kl_estimator=ac.kl_estimator,
-                    token_weights=token_weights,
+                inputs = MicroBatch(
+                    logp, logp_old, mb.action_mask, mb.advantages, None if logp_ref_all is None else logp_ref_all[idx, :L], token_weights,
+                    num_tokens=num_tokens, num_seqs=len(mb_idx), norm_len=cfg.sampling.max_new_tokens,
                 )
+                if ac.objective == "nft":
+                    inputs.positive, inputs.pass_rate = positive[idx], pass_rate[idx]
+                if sequence_objective:
+                    inputs.seq_weight, inputs.seq_share = seq_weight[idx], seq_value * len(idx) / len(work)
+                loss, st = LOSSES[ac.objective](inputs, ac)
                 if imitation is not None and imitation.coef > 0:
                     weights = imitation.weights[idx, :L]
                     loss = loss + imitation.coef * imitation_loss(logp, weights, mb.action_mask, num_tokens=num_tokens)
@@ -248,11 +361,32 @@ def update(
     return out
 
 
-def _runs_no_row(batch: TrainBatch, cfg: GRPOConfig, imitation: Imitation | None) -> bool:
-    """Whether `update` skips every row (zero advantages, no KL term, no imitation weight)."""
+def _sequence_weights(policy: Policy, batch: TrainBatch, cfg: GRPOConfig, outcomes: Outcomes, logp_old_all: torch.Tensor,
+                      logp_ref_all: torch.Tensor | None, opt_steps: int, learner) -> tuple[float, torch.Tensor]:
+    """A sequence objective at the current weights: (L(S), dL/dS of each row's sequence  # (N,)).
+    S = the sequence's summed log-ratio over its action tokens, to the sampling policy (REBEL)
+    or the reference (A*-PO). Before the first optimizer step of an update with recomputed old
+    log-probs, the current policy is the old one; otherwise one scoring pass gives it."""
+    tc, ac = cfg.train, cfg.algo
+    model = policy.causal_lm
+    if opt_steps == 0 and tc.old_logprobs == "recompute":
+        current = logp_old_all
+    else:
+        logprobs = shared_prefix_logprobs if tc.shared_prefix else sequence_logprobs
+        current = _score(logprobs, model, batch, cfg.sampling.temperature, tc.micro_batch_size, tc.logit_chunk, learner)
+        model.train()
+    base = logp_ref_all if ac.objective == "apo" else logp_old_all
+    seq_logratio = sequence_sums(current - base, batch.action_mask, outcomes.row_seq, outcomes.rewards.numel())  # (B * G,)
+    value, grad = sequence_weights(lambda s: SEQUENCE_LOSSES[ac.objective](s, outcomes, ac), seq_logratio)
+    return value, grad[outcomes.row_seq]
+
+
+def _runs_no_row(signal: torch.Tensor, cfg: GRPOConfig, imitation: Imitation | None) -> bool:
+    """Whether `update` skips every row (a zero `signal`, the advantages for PPO-clip, no KL
+    term, no imitation weight)."""
     if not (cfg.train.skip_zero_advantage and cfg.algo.kl_coef == 0):
         return False
-    live = batch.advantages != 0
+    live = signal != 0
     live = live.any(dim=1) if live.dim() == 2 else live
     if imitation is not None and imitation.coef > 0:
         live = live | (imitation.weights != 0).any(dim=1)
@@ -346,12 +480,50 @@ def _score(logprobs, model, batch: TrainBatch, temperature: float, micro: int, c
     return learner.sum_rows(out)
 
 
+def draft_hint(draft: str, reward: float, max_chars: int) -> str:
+    """iGRPO's framing of the best draft, shown after the task (a single-turn question, or a
+    game's task line): the draft clipped to `max_chars` characters, and its reward."""
+    text = " ".join(draft.split()) or "(empty)"
+    if len(text) > max_chars:
+        text = text[: max_chars - 3].rstrip() + "..."
+    return f"Your best earlier attempt (reward {reward:.2f}): {text}\nImprove on it."
+
+
+def draft_hints(rollouts, seeds: list[int], cfg: GRPOConfig, sampling: SamplingParams, gen: torch.Generator, system_prompt: str | None,
+                multi_turn: bool, reward_set: RewardSet | None, step: int) -> tuple[list[str], dict]:
+    """iGRPO's first stage: `algo.igrpo_drafts` drafts per task, scored by the training reward
+    (the env's, or the [[reward]] sum) and never trained on; the highest-rewarded draft of each
+    task (the first of ties) becomes its hint (`draft_hint`: a completion, or a game's actions
+    joined by ' > '). Returns the B hints and the igrpo/* metrics."""
+    D = cfg.algo.igrpo_drafts
+    if multi_turn:
+        episodes = rollouts.episodes(seeds, D, sampling, gen, system_prompt, cfg.agent).episodes
+        texts = [" > ".join(t.action for t in e.turns) for e in episodes]
+        totals = score_episodes(reward_set, episodes).totals if reward_set is not None else [e.total_reward for e in episodes]
+        won = [e.won for e in episodes]
+    else:
+        drafts = rollouts.rollout(seeds, D, sampling, gen, system_prompt).trajectories
+        if reward_set is not None:
+            score_trajectories(reward_set, drafts)
+        texts, totals, won = [t.completion_text for t in drafts], [t.reward for t in drafts], [t.success for t in drafts]
+    rewards = torch.tensor(totals, dtype=torch.float32, device="cpu").view(len(seeds), D)  # (B, D)
+    check_finite(step + 1, draft_rewards=rewards)
+    best = rewards.argmax(dim=1).tolist()  # the first maximum of each row
+    hints = [draft_hint(texts[b * D + k], float(rewards[b, k]), cfg.algo.igrpo_draft_chars) for b, k in enumerate(best)]
+    metrics = {
+        "igrpo/draft_reward_mean": rewards.mean().item(),
+        "igrpo/best_draft_reward_mean": rewards.amax(dim=1).mean().item(),
+        "igrpo/draft_success_rate": sum(won) / len(won),
+    }
+    return hints, metrics
+
+
 def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress | None = None, log: Callable[[str], None] = print) -> Path:
     """Run the recipe into `out` (continuing from its last checkpoint when `resume`)."""
     branching = cfg.rollout.branch != "off"
     single_turn_error = (f"rollout.branch = {cfg.rollout.branch!r} branches multi-turn games, but this task is single-turn (one reply per episode, "
                          "nothing to replay): set rollout.branch = 'off', or train on a game such as env.name = 'household'") if branching else None
-    run = open_run(cfg, out, resume, log, kl_reference=cfg.algo.kl_coef > 0, single_turn_error=single_turn_error)
+    run = open_run(cfg, out, resume, log, kl_reference=cfg.algo.needs_reference, single_turn_error=single_turn_error)
     pool, store, policy, optimizer, multi_turn = run.pool, run.store, run.policy, run.optimizer, run.multi_turn
     model = policy.causal_lm
     start_step, opt_step = run.start_step, run.opt_steps
@@ -370,19 +542,22 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
 
     sampling = SamplingParams(cfg.sampling.max_new_tokens, cfg.sampling.temperature, cfg.sampling.top_p, tuple(cfg.sampling.stop))
     B, G = cfg.train.prompts_per_step, cfg.train.group_size
-    sampled_total = int(run.state.get("episodes", start_step * B * G))  # budget/episodes: every episode sampled so far, branches included
+    drafts = B * cfg.algo.igrpo_drafts if cfg.algo.igrpo else 0  # iGRPO's drafts per step
+    sampled_total = int(run.state.get("episodes", start_step * (B * G + drafts)))  # budget/episodes: every episode sampled so far (branches, drafts)
     for step in range(start_step, cfg.train.steps):
         t0 = time.perf_counter()
         gen = step_generator(cfg.train.seed, step)
         seeds = train_seeds(cfg, step)
         system_prompt = cfg.model.system_prompt or None
-        episode_metrics, reward_metrics = {}, {}
+        episode_metrics, reward_metrics, hints, draft_metrics = {}, {}, None, {}
         branches = None
+        if cfg.algo.igrpo:  # iGRPO's first stage: the best of each task's drafts goes into its prompt
+            hints, draft_metrics = draft_hints(rollouts, seeds, cfg, sampling, gen, system_prompt, multi_turn, reward_set, step)
         if multi_turn:
             # Multi-turn: the group is the G episodes of one game seed; the episode's
             # advantage is broadcast over every action token of every turn (+ GiGPO's
             # step term when asked). Each turn is one training row.
-            ero = rollouts.episodes(seeds, G, sampling, gen, system_prompt, cfg.agent)
+            ero = rollouts.episodes(seeds, G, sampling, gen, system_prompt, cfg.agent, hints=hints)
             episodes, gen_stats = ero.episodes, ero.stats
             if branching:  # K continuations from a turn of each group's first episodes, replayed to it (recursa/branching.py)
                 branches = sample_branches(rollouts, episodes, G, sampling, gen, system_prompt, cfg.agent, cfg.rollout)
@@ -397,6 +572,7 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
                     totals = totals + score_episodes(reward_set, branches.episodes).totals
             rewards = torch.tensor(totals[: B * G], dtype=torch.float32, device="cpu").view(B, G)  # (B, G)
             check_finite(step + 1, rewards=rewards)  # an env's NaN reward is named, never trained on
+            success = [e.won for e in episodes]
             if branches is None:
                 advantages = compute_advantages(cfg.algo.advantage, rewards)  # (B, G)
                 trajs, row_advantages, episode_metrics = episode_rows(episodes, advantages, cfg)
@@ -408,9 +584,10 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
                 advantages = branch_adv.episode  # (B, G + S K)
                 trajs, row_advantages, episode_metrics = episode_rows(played, outer, cfg, terms)
                 episode_metrics.update(branch_metrics(branches, branch_adv))
+            row_seq = [e for e, episode in enumerate(episodes) for _ in episode.turns]  # episode.rows(): one row per turn (roots; no branches with these objectives)
             failures.extend((f"{e.task} {e.turns[-1].observation}", " | ".join(t.action for t in e.turns[-3:])) for e in episodes if not e.won and e.turns)
         else:
-            ro = rollouts.rollout(seeds, G, sampling, gen, system_prompt)
+            ro = rollouts.rollout(seeds, G, sampling, gen, system_prompt, hints=hints)
             trajs, gen_stats = ro.trajectories, ro.stats
             t1 = time.perf_counter()
             offsets = None
@@ -423,10 +600,15 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
             if offsets is not None:  # a reward's own advantage term (self_consistency's penalty for low agreement)
                 advantages = advantages + torch.tensor(offsets, dtype=torch.float32, device="cpu").view(B, G)
             row_advantages = advantages.view(-1)
+            success = [t.success for t in trajs]
+            row_seq = list(range(len(trajs)))
             failures.extend((t.prompt_text, t.completion_text) for t in trajs if not t.success)
         check_finite(step + 1, advantages=row_advantages)
         batch = collate(trajs, row_advantages, policy.tokenizer.pad_token_id, policy.device)
-        st = update(policy, optimizer, batch, cfg, gen, opt_step, learner=run.learner)
+        outcomes = None
+        if cfg.algo.objective in ("rebel", "nft", "apo"):  # the sequence objectives read each sequence's outcome
+            outcomes = Outcomes(rewards, torch.tensor(success, dtype=torch.float32, device="cpu").view(B, G), torch.tensor(row_seq, dtype=torch.long, device="cpu"))
+        st = update(policy, optimizer, batch, cfg, gen, opt_step, learner=run.learner, outcomes=outcomes)
         check_finite(step + 1, loss=st.loss, grad_norm=st.grad_norm)
         opt_step += st.opt_steps
         tp = time.perf_counter()
@@ -436,7 +618,7 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
         lengths = torch.tensor([t.num_action_tokens for t in trajs], dtype=torch.float32, device="cpu")
         prompt_tokens = sum(len(t.token_ids) - t.num_action_tokens for t in trajs)
         zero_var = (rewards.std(dim=1) == 0).float().mean()
-        n_sampled = B * G + (len(branches.episodes) if branches is not None else 0)
+        n_sampled = B * G + drafts + (len(branches.episodes) if branches is not None else 0)
         sampled_total += n_sampled
         root_rows = trajs if branches is None else trajs[: sum(len(e.turns) for e in episodes)]  # the roots' rows come first
         metrics = {
@@ -447,7 +629,8 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
             "reward/success_rate": sum(t.success for t in root_rows) / len(root_rows),
             "reward/zero_std_groups": zero_var.item(),
             "advantage/abs_mean": advantages.abs().mean().item(),
-            "episodes/sampled": n_sampled,  # every episode this step sampled: B x G, plus the branch continuations (RSIPO: its hinted re-rolls)
+            **draft_metrics,
+            "episodes/sampled": n_sampled,  # every episode this step sampled: B x G, iGRPO's drafts, branch continuations (RSIPO: its hinted re-rolls)
             "budget/episodes": sampled_total,
             **update_metrics(st, trajs, len(trajs), cfg, opt_step),
             "time/rollout_s": t1 - t0,
