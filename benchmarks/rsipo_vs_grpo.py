@@ -261,12 +261,18 @@ def run_spec(name: str, seed: int, args, game: dict) -> dict:
         f"eval.n={eval_n}", f"eval.batch_size={min(eval_n, 100)}", f"eval.every={every}", f"eval.split={args.split}",
         "eval.before=false", "eval.after=true", "run.checkpoint_every=0",  # the warm start's own evaluation is warm_start's
         *([f"model.device={args.device}"] if args.device else []),  # CPU and GPU draw different random streams: part of the settings
+        *(args.set if name != "warm_start" else []),  # --set: a pilot's overrides of the training settings (the warm start has none)
     ]
     return {"recipe": recipe, "name": name, "seed": seed, "sets": sets, "tiny": args.tiny, "warm_start_id": warm_start_id(game), "code": CODE_VERSION}
 
 
+def label(name: str, args) -> str:
+    """A recipe's name in result files and tables: with --set, the pilot's --tag appended."""
+    return name if name == "warm_start" else f"{name}{args.tag}"
+
+
 def result_path(args, game: dict, name: str, seed: int) -> Path:
-    return Path(args.results) / game["slug"] / f"{name}_seed{seed}.json"
+    return Path(args.results) / game["slug"] / f"{label(name, args)}_seed{seed}.json"
 
 
 def _items(result: dict, keep_completion: bool = False) -> list[dict]:
@@ -353,15 +359,15 @@ def run_one(name: str, seed: int, args, game: dict) -> dict | None:
     if path.exists():
         done = json.loads(path.read_text())
         if done["spec"] == spec or args.report:
-            print(f"{game['env']:>10} {name:>14} seed {seed}: committed result ({path.relative_to(REPO) if path.is_relative_to(REPO) else path})", flush=True)
+            print(f"{game['env']:>10} {label(name, args):>14} seed {seed}: committed result ({path.relative_to(REPO) if path.is_relative_to(REPO) else path})", flush=True)
             return done
-        print(f"{game['env']:>10} {name:>14} seed {seed}: the committed result has other settings; rerunning", flush=True)
+        print(f"{game['env']:>10} {label(name, args):>14} seed {seed}: the committed result has other settings; rerunning", flush=True)
     if args.report:
         return None
-    out = Path(args.runs_dir) / game["slug"] / f"{name}_seed{seed}"
+    out = Path(args.runs_dir) / game["slug"] / f"{label(name, args)}_seed{seed}"
     resume = resumable(out, spec)
     if resume:
-        print(f"{game['env']:>10} {name:>14} seed {seed}: resuming the interrupted run in {out}", flush=True)
+        print(f"{game['env']:>10} {label(name, args):>14} seed {seed}: resuming the interrupted run in {out}", flush=True)
     else:
         if out.exists():
             shutil.rmtree(out)
@@ -398,7 +404,7 @@ def run_one(name: str, seed: int, args, game: dict) -> dict | None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(record, indent=1) + "\n")
     tmp.replace(path)
-    print(f"{game['env']:>10} {name:>14} seed {seed}: held-out success {record['heldout']['success_rate']:.3f} after "
+    print(f"{game['env']:>10} {label(name, args):>14} seed {seed}: held-out success {record['heldout']['success_rate']:.3f} after "
           f"{record['episodes']} episodes ({wall:.0f} s) -> {path}", flush=True)
     return record
 
@@ -687,6 +693,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs-dir", help="run directories (default: runs/bench)")
     p.add_argument("--keep-checkpoints", action="store_true", help="keep each run's checkpoints (large for the 135M model)")
     p.add_argument("--device", help="model.device for every run (e.g. cuda); default: recursa's auto")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a training setting of every run but warm_start (a pilot, e.g. train.lr=2e-6); needs --tag")
+    p.add_argument("--tag", default="", help="appended to the recipe names of runs made with --set (e.g. @lr2e-6), so they never replace the default runs")
     p.add_argument("--report", action="store_true", help="run nothing: tables and plots from the result files present")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -705,6 +714,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         recipe_spec(name, games[0])  # fail fast on an unknown name
     seeds = [int(s) for s in args.seeds.split(",")]
+    if args.set and not args.tag:
+        print("error: --set changes the runs' settings: give them a --tag (e.g. --tag @lr2e-6) so their results are kept apart", file=sys.stderr)
+        return 2
     args.results = args.results or args.out or str(RESULTS / "pilot" if args.split == "gate" else RESULTS)
     args.runs_dir = args.runs_dir or str(REPO / "runs" / ("bench_tiny" if args.tiny else "bench"))
     games = [{**game, "pin": Path(args.results) / game["slug"] / "warm_start_pin.json"} for game in games]
@@ -736,7 +748,8 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     entry = run_one(name, seed, args, game)
                 if entry is not None:
-                    result["recipes"].setdefault(name, {"recipe": recipe_spec(name, game)[0], "sets": recipe_spec(name, game)[1], "seeds": []})["seeds"].append(entry)
+                    sets = recipe_spec(name, game)[1] + (args.set if name != "warm_start" else [])
+                    result["recipes"].setdefault(label(name, args), {"recipe": recipe_spec(name, game)[0], "sets": sets, "seeds": []})["seeds"].append(entry)
         if not result["recipes"]:
             print(f"{game['env']}: no results yet", flush=True)
             continue
