@@ -10,6 +10,7 @@ the run's `episodes/sampled` metric; GRPO samples B x G per step).
     python benchmarks/rsipo_vs_grpo.py --games twx:twc                 # warm_start, grpo, rsipo x seeds 0,1,2; reuses committed runs
     python benchmarks/rsipo_vs_grpo.py --games twx:twc --recipes grpo --seeds 0      # one piece of it
     python benchmarks/rsipo_vs_grpo.py --report                        # tables and plots from committed results alone
+    python benchmarks/rsipo_vs_grpo.py --games household --recipes warm_start,grpo,rloop   # RLoop, a GRPO option (examples/rloop_household.toml)
     python benchmarks/rsipo_vs_grpo.py --games twx:twc --split gate --recipes grpo --seeds 0 --steps 8   # a pilot on the dev fold
     python benchmarks/rsipo_vs_grpo.py --tiny --out /tmp/bench         # tiny random model on toy-corridor: checks the script
 
@@ -63,6 +64,9 @@ ABLATIONS_DIR = REPO / "examples" / "rsipo_ablations"
 ABLATIONS = tuple(sorted(p.stem for p in ABLATIONS_DIR.glob("*.toml")))
 RSIPO_SECTIONS = ("teacher", "trust", "skills", "hatch", "route")  # what an ablation config may switch
 BASE_RECIPES = ("warm_start", "grpo", "rsipo")
+# GRPO options run as entries of their own: name -> (example config, the section of it whose keys
+# switch the option on; the example is the single source of truth for the option's settings).
+GRPO_OPTIONS = {"rloop": ("rloop_household.toml", "rloop")}
 # Part of every run's settings: bump it when a change to recursa alters what an existing
 # configuration does (a new switch does not: its --set is part of the settings), so that
 # committed results of the old behaviour are rerun rather than reused.
@@ -162,16 +166,25 @@ def ablation_sets(name: str) -> list[str]:
     return sets
 
 
+def option_sets(name: str) -> list[str]:
+    """The switches of a GRPO option entry as --set overrides: every key of its example's section."""
+    path, section = GRPO_OPTIONS[name]
+    data = tomllib.loads((REPO / "examples" / path).read_text())
+    return [f"{section}.{key}={_toml_value(value)}" for key, value in data[section].items()]
+
+
 def recipe_spec(name: str, game: dict) -> tuple[str, list[str]]:
     """(recipe, --set overrides) of a benchmark entry."""
     if name in ("grpo", "warm_start"):
         return "grpo", []
     if name == "rsipo":
         return "rsipo", list(game["rsipo"])
+    if name in GRPO_OPTIONS:
+        return "grpo", option_sets(name)
     if name in ABLATIONS:
         sets = ablation_sets(name)
         return "rsipo", (list(game["rsipo"]) if "skills.enabled=false" not in sets else []) + sets
-    raise SystemExit(f"unknown recipe {name!r}; choose from {', '.join(BASE_RECIPES)}, {', '.join(ABLATIONS)} (or all)")
+    raise SystemExit(f"unknown recipe {name!r}; choose from {', '.join(BASE_RECIPES)}, {', '.join(GRPO_OPTIONS)}, {', '.join(ABLATIONS)} (or all)")
 
 
 def setting_value(game: dict, key: str) -> int:
@@ -406,7 +419,7 @@ def run_one(name: str, seed: int, args, game: dict) -> dict | None:
 # what the recipe did in a run: step means of these metrics (non-finite steps skipped), and of
 # every metric under these prefixes
 DIAGNOSTICS = ("reward/mean", "episodes/sampled")
-DIAGNOSTIC_PREFIXES = ("teacher/", "trust/", "skills/", "route/", "hint/", "rollout/")
+DIAGNOSTIC_PREFIXES = ("teacher/", "trust/", "skills/", "route/", "hint/", "rollout/", "rloop/")
 
 
 def diagnostics(rows: list[dict], run_dir: Path) -> dict:
@@ -676,7 +689,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--games", default="twx:twc", help=f"comma-separated: {', '.join(GAMES)}")
     p.add_argument("--tiny", action="store_true", help="tiny random model on toy-corridor (checks the script; seconds per run)")
-    p.add_argument("--recipes", default=",".join(BASE_RECIPES), help=f"comma-separated: {', '.join(BASE_RECIPES)}, {', '.join(ABLATIONS)}, or all")
+    p.add_argument("--recipes", default=",".join(BASE_RECIPES), help=f"comma-separated: {', '.join(BASE_RECIPES)}, GRPO options {', '.join(GRPO_OPTIONS)}, RSIPO ablations {', '.join(ABLATIONS)}, or all (the base recipes and every ablation)")
     p.add_argument("--seeds", default="0,1,2", help="training seeds (at least 3)")
     p.add_argument("--steps", type=int, help="training steps per run (default: the game's)")
     p.add_argument("--eval-n", type=int, help="held-out games per evaluation (default: the game's)")
