@@ -10,6 +10,7 @@ the run's `episodes/sampled` metric; GRPO samples B x G per step).
     python benchmarks/rsipo_vs_grpo.py --games twx:twc                 # warm_start, grpo, rsipo x seeds 0,1,2; reuses committed runs
     python benchmarks/rsipo_vs_grpo.py --games twx:twc --recipes grpo --seeds 0      # one piece of it
     python benchmarks/rsipo_vs_grpo.py --report                        # tables and plots from committed results alone
+    python benchmarks/rsipo_vs_grpo.py --games household --recipes warm_start,grpo,rloop   # RLoop, a GRPO option (examples/rloop_household.toml)
     python benchmarks/rsipo_vs_grpo.py --games twx:twc --split gate --recipes grpo --seeds 0 --steps 8   # a pilot on the dev fold
     python benchmarks/rsipo_vs_grpo.py --tiny --out /tmp/bench         # tiny random model on toy-corridor: checks the script
 
@@ -37,7 +38,11 @@ Design (issue 12):
   against sampled episodes, every recipe, the warm start as a band.
 
 Each run is its own subprocess (a fresh interpreter and model); run directories go under
-`runs/bench/<game>/` (`--runs-dir`) without their checkpoints unless `--keep-checkpoints`.
+`runs/bench/<game>/` (pilots: `runs/bench_pilot/<game>/`; `--runs-dir`) without their checkpoints
+unless `--keep-checkpoints`. A run cut off (the end of a sitting) keeps its checkpoints, one
+per evaluation point, and the next invocation with the same settings resumes it there.
+Pilots: `--set KEY=VALUE --tag @name` overrides training settings of every run but the warm
+start, under a tagged recipe name.
 """
 
 from __future__ import annotations
@@ -63,6 +68,9 @@ ABLATIONS_DIR = REPO / "examples" / "rsipo_ablations"
 ABLATIONS = tuple(sorted(p.stem for p in ABLATIONS_DIR.glob("*.toml")))
 RSIPO_SECTIONS = ("teacher", "trust", "skills", "hatch", "route")  # what an ablation config may switch
 BASE_RECIPES = ("warm_start", "grpo", "rsipo")
+# GRPO options run as entries of their own: name -> (example config, the section of it whose keys
+# switch the option on; the example is the single source of truth for the option's settings).
+GRPO_OPTIONS = {"rloop": ("rloop_household.toml", "rloop")}
 # Part of every run's settings: bump it when a change to recursa alters what an existing
 # configuration does (a new switch does not: its --set is part of the settings), so that
 # committed results of the old behaviour are rerun rather than reused.
@@ -162,16 +170,25 @@ def ablation_sets(name: str) -> list[str]:
     return sets
 
 
+def option_sets(name: str) -> list[str]:
+    """The switches of a GRPO option entry as --set overrides: every key of its example's section."""
+    path, section = GRPO_OPTIONS[name]
+    data = tomllib.loads((REPO / "examples" / path).read_text())
+    return [f"{section}.{key}={_toml_value(value)}" for key, value in data[section].items()]
+
+
 def recipe_spec(name: str, game: dict) -> tuple[str, list[str]]:
     """(recipe, --set overrides) of a benchmark entry."""
     if name in ("grpo", "warm_start"):
         return "grpo", []
     if name == "rsipo":
         return "rsipo", list(game["rsipo"])
+    if name in GRPO_OPTIONS:
+        return "grpo", option_sets(name)
     if name in ABLATIONS:
         sets = ablation_sets(name)
         return "rsipo", (list(game["rsipo"]) if "skills.enabled=false" not in sets else []) + sets
-    raise SystemExit(f"unknown recipe {name!r}; choose from {', '.join(BASE_RECIPES)}, {', '.join(ABLATIONS)} (or all)")
+    raise SystemExit(f"unknown recipe {name!r}; choose from {', '.join(BASE_RECIPES)}, {', '.join(GRPO_OPTIONS)}, {', '.join(ABLATIONS)} (or all)")
 
 
 def setting_value(game: dict, key: str) -> int:
@@ -261,14 +278,14 @@ def run_spec(name: str, seed: int, args, game: dict) -> dict:
         f"eval.n={eval_n}", f"eval.batch_size={min(eval_n, 100)}", f"eval.every={every}", f"eval.split={args.split}",
         "eval.before=false", "eval.after=true", "run.checkpoint_every=0",  # the warm start's own evaluation is warm_start's
         *([f"model.device={args.device}"] if args.device else []),  # CPU and GPU draw different random streams: part of the settings
-        *(args.set if name != "warm_start" else []),  # --set: a pilot's overrides of the training settings (the warm start has none)
+        *(getattr(args, "set", []) if name != "warm_start" else []),  # --set: a pilot's overrides of the training settings (the warm start has none)
     ]
     return {"recipe": recipe, "name": name, "seed": seed, "sets": sets, "tiny": args.tiny, "warm_start_id": warm_start_id(game), "code": CODE_VERSION}
 
 
 def label(name: str, args) -> str:
     """A recipe's name in result files and tables: with --set, the pilot's --tag appended."""
-    return name if name == "warm_start" else f"{name}{args.tag}"
+    return name if name == "warm_start" else f"{name}{getattr(args, 'tag', '')}"
 
 
 def result_path(args, game: dict, name: str, seed: int) -> Path:
@@ -381,7 +398,7 @@ def run_one(name: str, seed: int, args, game: dict) -> dict | None:
     attempts = out / "bench_attempts.jsonl"
     with attempts.open("a") as fh:
         fh.write(json.dumps({"start": time.time()}) + "\n")
-    log = out.parent / f"{name}_seed{seed}.log"
+    log = out.parent / f"{label(name, args)}_seed{seed}.log"
     with log.open("a" if resume else "w") as fh:
         proc = subprocess.Popen([sys.executable, __file__, "--worker", json.dumps(worker_spec)], cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, text=True)
         while proc.poll() is None:  # a heartbeat: an attempt cut off with this process counts until its last beat
@@ -412,7 +429,7 @@ def run_one(name: str, seed: int, args, game: dict) -> dict | None:
 # what the recipe did in a run: step means of these metrics (non-finite steps skipped), and of
 # every metric under these prefixes
 DIAGNOSTICS = ("reward/mean", "episodes/sampled")
-DIAGNOSTIC_PREFIXES = ("teacher/", "trust/", "skills/", "route/", "hint/", "rollout/")
+DIAGNOSTIC_PREFIXES = ("teacher/", "trust/", "skills/", "route/", "hint/", "rollout/", "rloop/")
 
 
 def diagnostics(rows: list[dict], run_dir: Path) -> dict:
@@ -682,7 +699,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--games", default="twx:twc", help=f"comma-separated: {', '.join(GAMES)}")
     p.add_argument("--tiny", action="store_true", help="tiny random model on toy-corridor (checks the script; seconds per run)")
-    p.add_argument("--recipes", default=",".join(BASE_RECIPES), help=f"comma-separated: {', '.join(BASE_RECIPES)}, {', '.join(ABLATIONS)}, or all")
+    p.add_argument("--recipes", default=",".join(BASE_RECIPES), help=f"comma-separated: {', '.join(BASE_RECIPES)}, GRPO options {', '.join(GRPO_OPTIONS)}, RSIPO ablations {', '.join(ABLATIONS)}, or all (the base recipes and every ablation)")
     p.add_argument("--seeds", default="0,1,2", help="training seeds (at least 3)")
     p.add_argument("--steps", type=int, help="training steps per run (default: the game's)")
     p.add_argument("--eval-n", type=int, help="held-out games per evaluation (default: the game's)")
@@ -690,7 +707,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--split", choices=("test", "gate"), default="test", help="held-out split; gate (the dev fold) is for pilots and writes under pilot/")
     p.add_argument("--results", help="where per-run result files and the summaries go (default: benchmarks/results/self_improve[/pilot])")
     p.add_argument("--out", help="alias of --results (the tiny check writes here)")
-    p.add_argument("--runs-dir", help="run directories (default: runs/bench)")
+    p.add_argument("--runs-dir", help="run directories (default: runs/bench, runs/bench_pilot with --split gate)")
     p.add_argument("--keep-checkpoints", action="store_true", help="keep each run's checkpoints (large for the 135M model)")
     p.add_argument("--device", help="model.device for every run (e.g. cuda); default: recursa's auto")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -718,7 +735,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --set changes the runs' settings: give them a --tag (e.g. --tag @lr2e-6) so their results are kept apart", file=sys.stderr)
         return 2
     args.results = args.results or args.out or str(RESULTS / "pilot" if args.split == "gate" else RESULTS)
-    args.runs_dir = args.runs_dir or str(REPO / "runs" / ("bench_tiny" if args.tiny else "bench"))
+    args.runs_dir = args.runs_dir or str(REPO / "runs" / ("bench_tiny" if args.tiny else "bench_pilot" if args.split == "gate" else "bench"))
     games = [{**game, "pin": Path(args.results) / game["slug"] / "warm_start_pin.json"} for game in games]
     for game in games:
         if not args.report and game["warm_start"] and not (REPO / game["warm_start"] / "config.toml").exists():

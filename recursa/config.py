@@ -654,6 +654,35 @@ def _check_test_looks(cfg, steps: int, extra_after: int = 0) -> None:
         )
 
 
+class RLoopConfig(_Section):
+    """RLoop (`recursa/recipes/rloop.py`): the GRPO run is cut into RL phases of `rl_steps`
+    steps. During a phase the successful episodes (games) or completions (single-turn tasks)
+    are harvested; at its end the policy is reset to a starting point (`reset`) and
+    fine-tuned on the harvest (rejection-sampling fine-tuning, as the rft recipe trains on
+    its kept attempts), and RL continues from that refreshed policy. The fine-tune samples
+    nothing, so budget/episodes counts the RL phases' episodes only."""
+
+    enabled: bool = Field(False, description="alternate RL phases and fine-tuning on their harvested successes (off: plain GRPO)")
+    rl_steps: int = Field(4, gt=0, description="GRPO steps per RL phase; every this many steps the phase ends with a reset and a fine-tune on its harvest")
+    reset: Literal["phase", "init", "none"] = Field(
+        "phase",
+        description="what the harvest fine-tunes: phase = the weights this phase started from (RLoop: each phase refines its own starting "
+        "point), init = the run's starting weights (the warm start) every time, none = the RL policy as it is (no reset)",
+    )
+    sft_epochs: int = Field(2, gt=0, le=1000, description="passes over the harvest at each phase's end")
+    sft_lr: float = Field(2e-5, gt=0, le=1, description="AdamW learning rate of the fine-tune (the optimizer state is cleared before and after it)")
+    sft_batch_size: int = Field(32, gt=0, le=1_000_000, description="rows (turns, for games) per optimizer step of the fine-tune")
+    per_task_cap: int = Field(2, ge=0, description="harvest at most this many successes per task and step, shortest first, identical ones dropped (0 = every distinct success)")
+    max_pass_rate: float = Field(
+        1.0, ge=0, le=1,
+        description="harvest only from tasks whose step pass rate (successes / attempts) is at most this (1 = every solved task; "
+        "lower keeps the hard tasks' successes, as RLoop's expert set does)",
+    )
+    max_harvest: int = Field(1024, ge=0, description="successes kept in the harvest, the most recent (0 = no cap)")
+    accumulate: bool = Field(False, description="the harvest carries over into later phases (capped by max_harvest); off: each phase fine-tunes on its own successes")
+    final_sft: bool = Field(True, description="when train.steps is a multiple of rl_steps, the last phase ends with its fine-tune too (the run's result is the refreshed policy); off: it ends on the RL policy")
+
+
 class GRPOConfig(RecipeBase):
     """The GRPO-family recipe (`recursa/recipes/grpo.py`)."""
 
@@ -663,6 +692,17 @@ class GRPOConfig(RecipeBase):
     gate: GateSettings = Field(default_factory=GateSettings)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     reward: list[RewardEntry] = Field(default_factory=list, description="[[reward]] entries: the training reward is their weighted sum (none: the env's reward)")
+    rloop: RLoopConfig = Field(default_factory=RLoopConfig)
+
+    @model_validator(mode="after")
+    def _check_rloop(self) -> "GRPOConfig":
+        rc = self.rloop
+        if rc.enabled and 0 < self.train.steps < rc.rl_steps:
+            raise ValueError(
+                f"rloop.rl_steps = {rc.rl_steps} is more than train.steps = {self.train.steps}: the run would end inside its first RL phase and "
+                "never fine-tune; lower rloop.rl_steps or raise train.steps"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check(self) -> "GRPOConfig":
@@ -677,6 +717,8 @@ class GRPOConfig(RecipeBase):
                 "rollout.tis_cap corrects the gap between the engine's and the trainer's log-probs, but train.old_logprobs = 'sampling' "
                 "already takes the engine's as the old policy: set train.old_logprobs = 'recompute' or rollout.tis_cap = None"
             )
+        if self.gate.prompt_every and self.gate.mode == "off":
+            raise ValueError("gate.prompt_every > 0 gates prompt proposals, but gate.mode = 'off' runs no gate: set gate.mode = 'gate' (or 'log'), or gate.prompt_every = 0")
         if self.recipe == "grpo" and self.gate.skills_every:
             raise ValueError("gate.skills_every gates a skill library, which only the rsipo recipe has: set gate.skills_every = 0 or recipe = 'rsipo'")
         if self.rollout.branch != "off" and self.rollout.branch_sources > self.train.group_size:

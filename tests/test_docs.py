@@ -125,9 +125,10 @@ RUNS = {
     "rft, game, gated": (None, "rft", [
         *FAST, "env.name=household", HOUSEHOLD, "rft.rounds=1", "rft.tasks_per_round=2", "rft.group_size=2", "gate.mode=gate", "gate.n=2", "eval.n=2"]),
     "rsipo, every learning signal, eval_both": ("examples/rsipo_ablations/signals.toml", None, [*FAST, "train.steps=2", "eval.n=2"]),
-    "rsipo, skills in context, library gate, imitation": ("examples/rsipo_smoke.toml", None, [
+    "rsipo, skills in context, library gate, prompt rounds, imitation": ("examples/rsipo_smoke.toml", None, [
         *FAST, "train.steps=2", "eval.n=2", "skills.in_context=true", "gate.mode=gate", "gate.every=1", "gate.n=4", "gate.skills_every=1",
-        "teacher.mode=imitation"]),
+        "gate.prompt_every=1", "gate.prompt_candidates=1", "gate.prompt_select_n=2", "teacher.mode=imitation"]),
+    "grpo, RLoop": ("examples/smoke.toml", None, [*FAST, "train.steps=2", "eval.n=2", "rloop.enabled=true", "rloop.rl_steps=1"]),
     "grpo, rewards without a verifier": ("examples/smoke.toml", None, [
         *FAST, "train.steps=1", "eval.n=2", 'reward=[{kind = "self_consistency", verified_frac = 1.0, penalty = 0.1}, {kind = "self_judge"}]']),
 }
@@ -156,7 +157,8 @@ def test_glossary_covers_every_key_the_recipes_write(written_keys):
     # the runs reach every recipe and the optional groups they are meant to
     for key in ("sft/loss", "rft/pass@2", "gate/p_value", "prompt/proposals", "hatch/win_rate", "skills/gate_p_value",
                 "teacher/imitation_weight_mean", "teacher/critical_turn_mean", "eval_skills/success_rate", "rollout/tis_weight_mean",
-                "episode/step_adv_abs_mean", "skills/retired", "reward/self_consistency/trust", "reward/self_judge/corr", "branch/nonzero_frac"):
+                "episode/step_adv_abs_mean", "skills/retired", "reward/self_consistency/trust", "reward/self_judge/corr", "branch/nonzero_frac",
+                "rloop/sft_loss", "rloop/harvest_rows", "time/rloop_s"):
         assert key in written_keys, key
 
 

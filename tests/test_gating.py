@@ -162,6 +162,73 @@ def test_prompt_round_in_log_mode_never_adopts(tmp_path, monkeypatch):
     assert cfg.agent.instruction == original
 
 
+def test_rsipo_prompt_round_adopts_and_the_next_step_plays_it(tmp_path, monkeypatch):
+    """RSIPO's prompt rounds (gate.prompt_every): on a game the admitted instruction is what
+    the next step's episodes are rendered with; on a single-turn task the admitted system
+    prompt is what the next step plays (and writes skills) with; a resumed run restores it."""
+    from recursa.recipes import rsipo
+
+    good = "Reply with go east, exactly as written."
+    _fake_scores(monkeypatch, good)
+    seen: list[tuple[str | None, str]] = []
+    real_play = rsipo.play
+
+    def play(policy, pool, seeds, shown, sampling, gen, system, cfg, *args, **kwargs):
+        seen.append((system, cfg.agent.instruction))
+        return real_play(policy, pool, seeds, shown, sampling, gen, system, cfg, *args, **kwargs)
+
+    monkeypatch.setattr(rsipo, "play", play)
+    base = ["model.name=tiny-random", "sampling.max_new_tokens=4", "train.prompts_per_step=2", "train.group_size=2", "run.threads=1",
+            "skills.candidates=2", "skills.write_per_group=1", "eval.n=0", "gate.mode=gate", "gate.every=100", "gate.n=16",
+            "gate.prompt_every=1", "gate.prompt_select_n=4", "run.checkpoint_every=1"]
+    game = base + ["env.name=toy-corridor", "env.kwargs.max_steps=3"]
+    cfg = load_config(None, game + ["train.steps=2"], recipe="rsipo")
+    original = cfg.agent.instruction
+    run = rsipo.train(cfg, tmp_path / "game", log=lambda *_: None)
+    assert [i for _, i in seen] == [original, good] and cfg.agent.instruction == good
+    store, lin = _lineage(run)
+    first, second = [c for c in lin.candidates("prompt") if not c.is_root]
+    assert first.accepted and first.payload["text"] == good and first.step == 1
+    assert not second.accepted and second.step == 2  # the same text again cannot beat itself
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["prompt/accepted"] for r in rows if "prompt/accepted" in r] == [1.0, 0.0]
+    store.close()
+    resumed = load_config(None, game + ["train.steps=3"], recipe="rsipo")
+    rsipo.train(resumed, run, resume=True, log=lambda *_: None)
+    assert resumed.agent.instruction == good and seen[-1][1] == good
+
+    seen.clear()
+    single = load_config(None, base + ["env.name=toy-digits", "train.steps=2"], recipe="rsipo")
+    rsipo.train(single, tmp_path / "single", log=lambda *_: None)
+    assert [s for s, _ in seen] == ["You are a helpful assistant.", good] and single.model.system_prompt == good
+
+
+def test_rsipo_prompt_round_scores_with_the_skills_in_context(tmp_path, monkeypatch):
+    """With skills.in_context every prompt-gate item is evaluated with the skill hint the
+    policy is shown for it (the same hints function as rollouts and evaluations)."""
+    from recursa.evaluate import EvalItem, summarize
+    from recursa.recipes import gating, rsipo
+
+    calls = []
+
+    def evaluate(policy, pool, env, split, n, max_new_tokens, system_prompt, **kw):
+        calls.append((kw["label"], kw["hints"], kw["seeds"]))
+        return summarize([EvalItem(s, 0.0, False) for s in kw["seeds"]], env, split, kw["label"], "m", "model", 0.0)
+
+    monkeypatch.setattr(gating, "evaluate", evaluate)
+    monkeypatch.setattr(gating.PromptGate, "propose", lambda self, policy, failures, gen: (["Walk east, one room at a time."], 0))
+    monkeypatch.setattr(rsipo, "parse_skill", lambda reply, w, c: rsipo.ParsedSkill("Go east to reach the last room.", True, "ok", 7, 0))
+    cfg = load_config(None, ["model.name=tiny-random", "env.name=toy-corridor", "env.kwargs.max_steps=3", "sampling.max_new_tokens=4",
+                             "train.prompts_per_step=2", "train.group_size=2", "run.threads=1", "skills.candidates=2", "skills.write_per_group=1",
+                             "skills.in_context=true", "skills.replay_reward=false", "eval.n=0", "gate.mode=log", "gate.every=100", "gate.n=4",
+                             "gate.prompt_every=1", "gate.prompt_select_n=2", "train.steps=1"], recipe="rsipo")
+    rsipo.train(cfg, tmp_path / "r", log=lambda *_: None)
+    prompt_calls = [c for c in calls if c[0].startswith("prompt")]
+    assert [c[0] for c in prompt_calls] == ["prompt selection", "prompt candidate", "prompt incumbent"]
+    for _, hints, seeds in prompt_calls:
+        assert hints is not None and len(hints) == len(seeds) and any(h is not None for h in hints)
+
+
 # ----------------------------------------------------------------------------- the skill library
 
 GOOD = "Write digits only, one digit per item."

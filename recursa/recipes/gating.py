@@ -203,12 +203,16 @@ class PromptGate:
     `gate.n` fresh gate items (never used for selection) and gated like weights. An
     admitted prompt is written into the run's config object, so rollouts, evaluations and
     the weights gate all use it from then on; a resumed run restores it from the lineage.
+    With `hints` (RSIPO's skills.in_context) every item is scored with the hint the policy
+    is shown for it, so a prompt is judged as the policy meets it.
     """
 
-    def __init__(self, cfg, store: RunStore, pool: EnvPool, lineage: Lineage, multi_turn: bool, log: Callable[[str], None] = print, engine=None):
+    def __init__(self, cfg, store: RunStore, pool: EnvPool, lineage: Lineage, multi_turn: bool, log: Callable[[str], None] = print, engine=None,
+                 hints: Callable[[list[int]], list[str | None]] | None = None):
         gc = cfg.gate
         self.cfg, self.store, self.pool, self.lineage, self.multi_turn, self.log = cfg, store, pool, lineage, multi_turn, log
         self.engine = engine  # the run's rollout engine (None: native): samples proposals, decodes the gate items
+        self.hints = hints
         self.gate_cfg = gate_config(gc)
         if not lineage.candidates("prompt"):
             lineage.root("prompt", _squash(self.text, 80), {"text": self.text}, step=0)
@@ -232,7 +236,7 @@ class PromptGate:
         return evaluate(
             policy, self.pool, cfg.env.name, split, len(seeds), cfg.eval.max_new_tokens or cfg.sampling.max_new_tokens,
             system_prompt or None, batch_size=cfg.eval.batch_size, stop=tuple(cfg.sampling.stop), label=label, agent=agent, seeds=seeds,
-            engine=self.engine,
+            hints=self.hints(seeds) if self.hints is not None else None, engine=self.engine,
         )
 
     def propose(self, policy: Policy, failures: list[tuple[str, str]], generator: torch.Generator) -> tuple[list[str], int]:

@@ -17,6 +17,9 @@
         update     <- epochs x mini-batches of the objective's loss (`algo.objective`: PPO-clip by
                       default; SPO, GPG, REBEL, NFT, A*-PO through the table `LOSSES`), micro-batched
                       with gradient accumulation, each distinct prompt computed once per micro-batch
+        [rloop     <- `rloop.enabled`: the step's successes join the harvest; every `rloop.rl_steps`
+                      steps the phase ends: reset to the phase's starting weights, fine-tune on
+                      the harvest, and RL goes on from there (recursa/recipes/rloop.py)]
         publish    <- the new weights to the rollout engine (`rollout.engine`; nothing to do for
                       the native sampler, which runs on the trainer's own module)
         evaluate   <- every `eval.every` steps, and before / after training
@@ -63,6 +66,7 @@ from recursa.generation import GenerationStats, SamplingParams, prefix_lengths, 
 from recursa.models import Policy
 from recursa.recipes.common import Progress, check_finite, eval_before, lr_at, open_run, run_eval, step_generator
 from recursa.recipes.gating import PromptGate, WeightsGate
+from recursa.recipes.rloop import RLoop
 from recursa.rewards import RewardSet, score_episodes, score_trajectories
 from recursa.self_rewards import SelfRewardContext
 from recursa.trajectory import Episode, TrainBatch, Trajectory, collate
@@ -534,6 +538,7 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
     prompts = PromptGate(cfg, store, pool, gate.lineage, multi_turn, log, engine=engine) if gate is not None and cfg.gate.prompt_every else None
     failures: deque[tuple[str, str]] = deque(maxlen=4)  # recent failures, what prompt proposals read
     rollouts = make_rollouts(cfg, policy, pool, log, engine)  # in this process (through the engine), or on Ray workers
+    loop = RLoop.open(cfg, store, start_step, multi_turn, log) if cfg.rloop.enabled else None  # RL phases, each ending in a fine-tune on its successes
     builtin = any(e.kind != "func" for e in cfg.reward)  # rewards without a verifier read the policy and one env of the task
     reward_set = RewardSet.from_config(cfg.reward, SelfRewardContext(cfg, policy, pool.take(1)[0], run.init_dir) if builtin else None)  # None: the env's reward alone
     if reward_set is not None and run.state.get("rewards"):
@@ -549,6 +554,8 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
         gen = step_generator(cfg.train.seed, step)
         seeds = train_seeds(cfg, step)
         system_prompt = cfg.model.system_prompt or None
+        if loop is not None:
+            loop.begin(step, policy, optimizer)  # a phase's first step keeps the weights the phase will reset to
         episode_metrics, reward_metrics, hints, draft_metrics = {}, {}, None, {}
         branches = None
         if cfg.algo.igrpo:  # iGRPO's first stage: the best of each task's drafts goes into its prompt
@@ -604,6 +611,7 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
             row_seq = list(range(len(trajs)))
             failures.extend((t.prompt_text, t.completion_text) for t in trajs if not t.success)
         check_finite(step + 1, advantages=row_advantages)
+        harvest_metrics = loop.harvest(step + 1, played if multi_turn else trajs) if loop is not None else {}  # the step's successes, for the phase's fine-tune
         batch = collate(trajs, row_advantages, policy.tokenizer.pad_token_id, policy.device)
         outcomes = None
         if cfg.algo.objective in ("rebel", "nft", "apo"):  # the sequence objectives read each sequence's outcome
@@ -632,6 +640,7 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
             **draft_metrics,
             "episodes/sampled": n_sampled,  # every episode this step sampled: B x G, iGRPO's drafts, branch continuations (RSIPO: its hinted re-rolls)
             "budget/episodes": sampled_total,
+            **harvest_metrics,
             **update_metrics(st, trajs, len(trajs), cfg, opt_step),
             "time/rollout_s": t1 - t0,
             "time/update_s": t2 - t1,
@@ -654,6 +663,10 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
             f"clip {st.clip_frac:.3f}  rollout {t1 - t0:.1f}s  update {t2 - t1:.1f}s"
         )
         done = step + 1
+        if loop is not None and loop.due(done):  # the RL phase ends: reset, fine-tune on its harvest, and the next phase starts there
+            opt_step, refreshed = loop.refresh(policy, optimizer, done, gen, opt_step, run.learner)
+            store.log_metrics(done, refreshed)
+            engine.load_weights(policy)
         if prompts is not None and done % cfg.gate.prompt_every == 0 and failures:
             store.log_metrics(done, prompts.check(policy, done, list(failures), gen))
         if gate is not None and (done % cfg.gate.every == 0 or done == cfg.train.steps):

@@ -55,7 +55,7 @@ from recursa.recipes.common import (
 )
 from recursa.recipes.gating import WeightsGate
 from recursa.stats import pass_at_k
-from recursa.trajectory import Trajectory, collate
+from recursa.trajectory import Episode, Trajectory, collate
 
 
 @dataclass
@@ -131,33 +131,48 @@ def sample_attempts(rollouts: RolloutBackend, cfg: RFTConfig, seeds: list[int], 
     system_prompt = cfg.model.system_prompt or None
     if multi_turn:
         ero = rollouts.episodes(seeds, rc.group_size, sampling, gen, system_prompt, cfg.agent)
-        attempts = []
-        for e in ero.episodes:
-            rows = [r for r in e.rows() if not (rc.drop_invalid_turns and r.info["invalid"])]
-            attempts.append(Attempt(e.seed, e.total_reward, e.won, " | ".join(t.action for t in e.turns), rows, len(e.turns)))
         n = len(ero.episodes)
         metrics = {
             "episode/success_rate": sum(e.won for e in ero.episodes) / n,
             "episode/turns_mean": sum(len(e.turns) for e in ero.episodes) / n,
             "episode/invalid_rate": sum(e.invalid_rate for e in ero.episodes) / n,
         }
-        return attempts, metrics
+        return episode_attempts(ero.episodes, rc.drop_invalid_turns), metrics
     ro = rollouts.rollout(seeds, rc.group_size, sampling, gen, system_prompt)
-    return [Attempt(t.seed, t.reward, t.success, t.completion_text.strip(), [t], t.num_action_tokens) for t in ro.trajectories], {}
+    return completion_attempts(ro.trajectories), {}
 
 
-def _row_record(r: Trajectory) -> dict:
+def episode_attempts(episodes: list[Episode], drop_invalid_turns: bool) -> list[Attempt]:
+    """One attempt per played episode: its actions as the key, its sampled turns as the rows
+    (without the turns whose action was invalid, with `drop_invalid_turns`)."""
+    out = []
+    for e in episodes:
+        rows = [r for r in e.rows() if not (drop_invalid_turns and r.info["invalid"])]
+        out.append(Attempt(e.seed, e.total_reward, e.won, " | ".join(t.action for t in e.turns), rows, len(e.turns)))
+    return out
+
+
+def completion_attempts(trajs: list[Trajectory]) -> list[Attempt]:
+    """One attempt per sampled completion: its text as the key, itself as the row."""
+    return [Attempt(t.seed, t.reward, t.success, t.completion_text.strip(), [t], t.num_action_tokens) for t in trajs]
+
+
+def row_record(r: Trajectory) -> dict:
+    """What a kept row's log line holds (kept.jsonl, RLoop's harvest.jsonl): enough to imitate it again."""
     return {"seed": r.seed, "token_ids": r.token_ids, "action_mask": r.action_mask, "reward": r.reward, "text": r.completion_text}
 
 
-def _row_from_record(d: dict, env: str) -> Trajectory:
+def row_from_record(d: dict, env: str) -> Trajectory:
+    """The row `row_record` wrote, as a Trajectory to collate (no sampling log-probs)."""
     n = len(d["token_ids"])
     return Trajectory(env, d["seed"], 0, d["token_ids"], d["action_mask"], [0.0] * n, d["reward"], True, d["text"], "", "kept", {})
 
 
-def finetune(policy, optimizer, rows: list[Trajectory], cfg: RFTConfig, gen: torch.Generator, opt_step: int,
+def finetune(policy, optimizer, rows: list[Trajectory], cfg, gen: torch.Generator, opt_step: int,
              learner: DataParallel | SingleProcess = SINGLE) -> tuple[int, float]:
-    """`train.epochs` passes over `rows`; returns the optimizer step count and mean loss."""
+    """`cfg.train.epochs` passes over `rows` in shuffled batches of `cfg.train.batch_size`
+    (`cfg.train` a SupervisedConfig: this recipe's, or RLoop's fine-tune settings); returns
+    the optimizer step count and mean loss."""
     pad = policy.tokenizer.pad_token_id
     losses = []
     for _ in range(cfg.train.epochs):
@@ -177,7 +192,7 @@ def train(cfg: RFTConfig, out: Path, resume: bool = False, progress: Progress | 
     pool, store, policy, optimizer, multi_turn = run.pool, run.store, run.policy, run.optimizer, run.multi_turn
     start, opt_step = run.start_step, run.opt_steps
     # the buffer and the unsolved-task pool, rebuilt from the run's own logs
-    buffer = [_row_from_record(d, cfg.env.name) for d in store.read_jsonl("kept")] if rc.accumulate else []
+    buffer = [row_from_record(d, cfg.env.name) for d in store.read_jsonl("kept")] if rc.accumulate else []
     unsolved: dict[int, int] = {}
     for d in store.read_jsonl("tasks"):
         if d["successes"]:
@@ -211,7 +226,7 @@ def train(cfg: RFTConfig, out: Path, resume: bool = False, progress: Progress | 
             for i, s in enumerate(seeds)
         ])
         new_rows = [r for a in kept for r in a.rows]
-        store.append_jsonl("kept", rnd + 1, [_row_record(r) for r in new_rows])
+        store.append_jsonl("kept", rnd + 1, [row_record(r) for r in new_rows])
         buffer = buffer + new_rows if rc.accumulate else new_rows
         loss = float("nan")
         if buffer:

@@ -19,6 +19,9 @@
                       length / invalid penalties; normalised within the K candidates -> the advantage of
                       the writing tokens (x skills.coef); the best candidate enters the library (skills.curate:
                       a near-duplicate replaces its skill only with a higher reward; useless skills retire)
+        [prompt round <- gate.prompt_every: the policy reads its recent failures and proposes a revised
+                      prompt (the games' instruction, or the system prompt), gated like weights as in
+                      GRPO (recipes/gating.py PromptGate; with skills.in_context, scored with the skills shown)]
         [skills gate <- gate.skills_every: the library with this round's new skills vs the incumbent library,
                       both in context, on gate probes half failed / half solved by the incumbent
                       (recipes/gating.py SkillGate); a rejection restores the incumbent library]
@@ -115,7 +118,7 @@ from recursa.generation import GenerationStats, SamplingParams, generate, sequen
 from recursa.models import Policy
 from recursa.distributed.rollouts import LocalRollouts, RolloutBackend, make_rollouts
 from recursa.recipes.common import Progress, check_finite, eval_before, open_run, run_eval, step_generator
-from recursa.recipes.gating import SkillGate, WeightsGate
+from recursa.recipes.gating import PromptGate, SkillGate, WeightsGate
 from recursa.rewards import RewardSet, score_episodes, score_trajectories
 from recursa.recipes.grpo import Imitation, UpdateStats, episode_rows, train_seeds, update, update_metrics
 from recursa.rollout import render_prompt, rollout, rollout_episodes, with_hint
@@ -196,6 +199,14 @@ def episode_attempts(episodes, step: int, agent: AgentConfig, hints: list[str | 
         ]
         out.append(Attempt(e.env, e.seed, step, e.group, e.won, e.task, contexts, [t.action_ids for t in e.turns], [t.action for t in e.turns]))
     return out
+
+
+def failure_of(a: Attempt) -> tuple[str, str]:
+    """A failed attempt as the prompt gate's proposals read it (as GRPO's): a game's task and
+    last observation with its last three actions, or a single-turn prompt with its reply."""
+    if a.contexts[-1].task is None:
+        return a.task, a.texts[-1]
+    return f"{a.task} {a.contexts[-1].observation}", " | ".join(a.texts[-3:])
 
 
 def completion_attempts(trajs: list[Trajectory], step: int, hints: list[str | None] | None = None) -> list[Attempt]:
@@ -1113,10 +1124,12 @@ def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress 
     buffer: deque[Attempt] = deque(maxlen=cfg.skills.buffer_size)
     B, G = cfg.train.prompts_per_step, cfg.train.group_size
     opt_step, episodes = run.opt_steps, int(run.state.get("episodes", run.start_step * B * G))
+    played_before: list[Attempt] = []  # every attempt of the steps before a resume
     if run.state:
         library.restore(run.state["skills"])  # the library as it was at the checkpoint
         trust.load_state_dict(run.state["trust"])
-        buffer.extend(Attempt.from_json(r) for r in store.read_jsonl("replay"))
+        played_before = [Attempt.from_json(r) for r in store.read_jsonl("replay")]
+        buffer.extend(played_before)
         log(f"restored {len(library)} skills and {len(buffer)} replayable attempts (step {run.start_step}/{cfg.train.steps})")
     else:  # a new run (or one resumed before its first checkpoint) starts with an empty library
         library.restore([])
@@ -1130,6 +1143,11 @@ def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress 
     if gate is not None and cfg.gate.skills_every:  # the same lineage, truncated once by the WeightsGate
         skill_gate = SkillGate(cfg, pool, gate.lineage, library, lambda lib, seeds: library_hints(lib, pool, seeds, cfg, multi_turn),
                                run.state.get("skills_incumbent"), log, engine=engine)
+    prompts = None
+    if gate is not None and cfg.gate.prompt_every:  # prompt rounds; a resumed run's PromptGate re-applies the admitted prompt
+        prompts = PromptGate(cfg, store, pool, gate.lineage, multi_turn, log, engine=engine, hints=hints_for)
+        system = system_prompt_of(pool.take(1)[0]) or cfg.model.system_prompt or None
+    failures: deque[tuple[str, str]] = deque((failure_of(a) for a in played_before if not a.success), maxlen=4)  # recent failures (restored on resume), what prompt proposals read
     rollouts = make_rollouts(cfg, policy, pool, log, engine)  # in this process (through the engine), or on Ray workers
     eval_before(run, cfg, progress, log, hints=hints_for, engine=engine)
 
@@ -1145,6 +1163,7 @@ def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress 
         played = play(policy, pool, seeds, shown, sampling, gen, system, cfg, multi_turn, step + 1, rollouts, reward_set)
         buffer.extend(played.attempts)
         store.append_jsonl("replay", step + 1, [a.to_json() for a in played.attempts])
+        failures.extend(failure_of(a) for a in played.attempts if not a.success)
         routes = group_routes(played.success)  # (B,) all_fail / mixed / all_win
         times.append(time.perf_counter())
 
@@ -1196,6 +1215,9 @@ def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress 
             f"teacher {metrics['time/teacher_s']:.1f}s  update {metrics['time/update_s']:.1f}s"
         )
         done = step + 1
+        if prompts is not None and done % cfg.gate.prompt_every == 0 and failures:
+            store.log_metrics(done, prompts.check(policy, done, list(failures), gen))
+            system = system_prompt_of(pool.take(1)[0]) or cfg.model.system_prompt or None  # an admitted system prompt is the run's from now on
         if gate is not None and (done % cfg.gate.every == 0 or done == cfg.train.steps):
             store.log_metrics(done, gate.check(policy, optimizer, done, progress))
         if cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.train.steps and cfg.eval.n > 0:
