@@ -479,3 +479,25 @@ def test_curriculum_tasks_put_the_tail_first_with_hints():
     assert second.kinds == ["tail", "tail", "fresh", "fresh"] and second.seeds[:2] == first.seeds[:2]
     assert second.hints[0].startswith("Hint:") and second.hints[2:] == [None, None]
     assert isinstance(second, StepTasks) and second.n_tail == 2
+
+
+EXAMPLES = sorted((__import__("pathlib").Path(__file__).resolve().parents[1] / "examples" / "curriculum").glob("*.toml"))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_example_configs_run_on_the_tiny_model(path, tmp_path):
+    """The configs the lead measures (135M from an SFT warm start) load, and run one step on the
+    tiny model without the warm start."""
+    import importlib
+
+    cfg = load_config(path)
+    assert cfg.model.name == "smollm2-135m-instruct" and cfg.init.from_run and cfg.curriculum.mode != "off"
+    sets = ["model.name=tiny-random", "init.from_run=''", "run.threads=1", "eval.n=2", "sampling.max_new_tokens=4", "eval.every=0"]
+    if cfg.recipe == "rft":
+        sets += ["rft.rounds=1", "rft.tasks_per_round=2", "rft.group_size=2", "curriculum.bstar.probe_tasks=1", "curriculum.bstar.samples=[2]"]
+    else:
+        sets += ["train.steps=1", "train.prompts_per_step=2", "train.group_size=8"]
+    cfg = load_config(path, sets)
+    run = importlib.import_module(f"recursa.recipes.{cfg.recipe}").train(cfg, tmp_path / "run", log=lambda *_: None)
+    (row,) = _train_rows(run)
+    assert all(math.isfinite(v) for v in _curriculum_values(run)) and sum(v for k, v in row.items() if k.startswith("curriculum/arm_tasks/")) >= 1

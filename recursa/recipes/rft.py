@@ -205,7 +205,7 @@ def bstar_choice(rollouts: RolloutBackend, cfg: RFTConfig, round_index: int, gen
     the balance score of each task's first G attempts (`algorithms.curriculum.balance_score`),
     and the best pair wins (ties: the earlier temperature, then the earlier G)."""
     bc = cfg.curriculum.bstar
-    rng = random.Random(f"bstar/{cfg.train.seed}/{round_index}")  # not the round's task stream
+    rng = random.Random(f"bstar probe {cfg.train.seed} {round_index}")  # a stream of its own, not the round's tasks
     seeds = [draw(rng) for _ in range(bc.probe_tasks)]
     width = max(bc.samples)
     candidates: list[tuple[float, int, BalanceScore]] = []
