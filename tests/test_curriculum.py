@@ -174,6 +174,9 @@ def test_arm_seeds_route_to_their_arm_and_held_out_seeds_to_the_base():
     env = task_factory(load_config(None, ["env.kwargs={difficulty = 1}", "curriculum.mode=schedule", "curriculum.schedule_steps=[2]",
                                           "curriculum.arms=[{kwargs = {difficulty = 0}}, {kwargs = {difficulty = 4}}]"]))()
     assert isinstance(env, ArmsEnv)
+    import pickle
+
+    assert pickle.loads(pickle.dumps(task_factory(load_config(None, ["curriculum.mode=progress", "curriculum.arms=[{}, {}]"]))))().n_arms == 2  # Ray workers
     for raw in range(5):
         want = ArithmeticEnv(difficulty=4).reset(split_seed("train", raw))
         assert env.reset(arm_seed(1, raw, 2)) == want and env.difficulty == 4  # attributes are the playing env's
