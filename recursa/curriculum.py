@@ -100,11 +100,9 @@ class ArmSampler:
             self.probs = arm_probabilities(learning_progress(self.fast, self.slow), self.epsilon)
         self._drawn, self._rates = [0] * self.k, {}
 
-    def draw(self, rng: random.Random, count: bool = True) -> int:
-        """A training seed of an arm drawn with this step's probabilities (`count`: in the
-        step's curriculum/arm_tasks; B-STaR's probe tasks are not)."""
+    def draw(self, rng: random.Random) -> int:
+        """A training seed of an arm drawn with this step's probabilities."""
         arm = draw_index(self.probs, rng.random())
-        self._drawn[arm] += int(count)
         return arm_seed(arm, rng.randrange(ARM_ITEMS), self.k)
 
     def observe(self, seeds: list[int], wins: list[list[bool]]) -> None:
@@ -113,6 +111,8 @@ class ArmSampler:
         hits: dict[int, list[int]] = {}
         for seed, w in zip(seeds, wins):
             arm = arm_of(seed, self.k)
+            if arm is not None:
+                self._drawn[arm] += 1
             if arm is not None and w:
                 h = hits.setdefault(arm, [0, 0])
                 h[0] += sum(bool(x) for x in w)
@@ -362,9 +362,9 @@ class Curriculum:
         if self.arms is not None:
             self.arms.begin(step)
 
-    def draw(self, rng: random.Random, count: bool = True) -> int:
+    def draw(self, rng: random.Random) -> int:
         """A fresh training seed: from an arm drawn by the curriculum, or uniform without arms."""
-        return self.arms.draw(rng, count) if self.arms is not None else plain_draw(rng)
+        return self.arms.draw(rng) if self.arms is not None else plain_draw(rng)
 
     def offer(self, n: int, env) -> tuple[list[int], list[str]]:
         """Tail tasks re-offered in a step of n tasks, with their hints ([] without tail guidance)."""

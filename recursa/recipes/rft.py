@@ -277,7 +277,7 @@ def train(cfg: RFTConfig, out: Path, resume: bool = False, progress: Progress | 
             curriculum.begin(rnd)
             draw = curriculum.draw
         if bstar:  # a probe batch at every candidate temperature picks this round's temperature and G
-            choice = bstar_choice(rollouts, cfg, rnd, gen, multi_turn, (lambda rng: curriculum.draw(rng, count=False)) if curriculum is not None else plain_draw)
+            choice = bstar_choice(rollouts, cfg, rnd, gen, multi_turn, curriculum.draw if curriculum is not None else plain_draw)
             G, temperature = choice.samples, choice.temperature
             sampled_total += choice.episodes
         tail_seeds, tail_hints = curriculum.offer(rc.tasks_per_round, pool.take(1)[0]) if curriculum is not None else ([], [])
