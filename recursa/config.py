@@ -576,6 +576,159 @@ def _check_distributed(cfg) -> None:
         )
 
 
+MAX_ARMS = 100  # arm k's training seeds are the train indices = k mod K (recursa/envs/arms.py), 1e7 items each
+
+
+class ArmConfig(_Section):
+    """One arm of a task curriculum (`[[curriculum.arms]]`): env options for the training tasks drawn from it."""
+
+    name: str | None = Field(None, description="the arm's name in the metrics (curriculum/arm_prob/<name>); unset: 'arm<i>', i its position from 0")
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="env options merged over env.kwargs for this arm's training tasks, e.g. {difficulty = 2} (arithmetic), "
+        "{rooms = 2, tasks = 'heat_then_place'} (household), {numLocations = 4} (twx:coin); held-out items keep env.kwargs",
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"[\w.\-]+", value):
+            raise ValueError("must be letters, digits, '_', '-' or '.' (it becomes a metric key)")
+        return value
+
+
+class TailConfig(_Section):
+    """Tail guidance (GSI-like; recursa/curriculum.py): training tasks the policy has never solved in `min_attempts` attempts are kept in a
+    table and re-offered with a hint in the prompt. Every hint reads the task's oracle (the walkthrough or the reference answer):
+    PRIVILEGED information a deployed agent does not have; held-out evaluation never shows one."""
+
+    enabled: bool = Field(False, description="re-offer never-solved training tasks with a hint (grpo, rft)")
+    min_attempts: int = Field(
+        8, ge=1,
+        description="a training task joins the table once it has had this many attempts without a success (grpo draws a task once, so there "
+        "it must be <= train.group_size; rft counts its revisits too)",
+    )
+    frac: float = Field(0.25, gt=0, le=1, description="share of each step's (round's) tasks re-offered from the table, ceil(frac x B), least offered first")
+    max_offers: int = Field(3, ge=1, description="a table task re-offered this many times without a success is dropped (counted in curriculum/tail_dropped)")
+    hint: Literal["auto", "walkthrough", "answer_form", "answer"] = Field(
+        "auto",
+        description="PRIVILEGED, all of them: walkthrough (games): the first `walkthrough_steps` actions of the game's walkthrough; answer_form "
+        "(single-turn): the reference answer's shape with every digit shown as # and every letter as a (its length and sign, not its value); "
+        "answer (single-turn): the reference answer itself (STaR's rationalization); auto: walkthrough for games, answer_form otherwise",
+    )
+    walkthrough_steps: int = Field(2, ge=0, description="hint = 'walkthrough': how many of the walkthrough's first actions the hint shows (0: all of them)")
+
+
+class BStarConfig(_Section):
+    """B-STaR's balance score (recursa/algorithms/curriculum.py): before each expert-iteration round, the policy samples a probe batch at
+    every candidate temperature, and the (temperature, samples per task) pair with the highest balance score is used for the round."""
+
+    enabled: bool = Field(False, description="choose the round's sampling temperature and rft.group_size by the balance score (rft recipe)")
+    temperatures: list[float] = Field(default_factory=lambda: [0.6, 0.8, 1.0, 1.2], description="candidate sampling temperatures (each > 0)")
+    samples: list[int] = Field(default_factory=lambda: [4, 8], description="candidate samples per task (each >= 1); ties go to the earlier candidate, so list the cheaper first")
+    probe_tasks: int = Field(8, gt=0, description="training tasks in the probe batch (fresh each round; never trained on; counted in budget/episodes)")
+    n_star: int = Field(4, ge=1, description="n*: distinct correct samples per task at which exploration is full, the term min(n'/n*, 1)")
+    selected: Literal["all", "success"] = Field(
+        "all",
+        description="the samples counted as selected in the exploitation term (correct among selected): all: every distinct sample (a reward "
+        "threshold below every reward), so the term is the share of distinct samples that succeed; success: only the successes, which is "
+        "what expert iteration keeps, so the term is 1 and the score measures exploration alone",
+    )
+
+    @field_validator("temperatures")
+    @classmethod
+    def _temperatures(cls, value: list[float]) -> list[float]:
+        if not value or any(isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 10 for t in value):
+            raise ValueError("must be a non-empty list of temperatures in (0, 10]")
+        return [float(t) for t in value]
+
+    @field_validator("samples")
+    @classmethod
+    def _samples(cls, value: list[int]) -> list[int]:
+        if not value or any(isinstance(g, bool) or not isinstance(g, int) or not 1 <= g <= SIZE_LIMITS["group_size"] for g in value):
+            raise ValueError(f"must be a non-empty list of sample counts in [1, {SIZE_LIMITS['group_size']}]")
+        return value
+
+
+class CurriculumConfig(_Section):
+    """Curricula over training tasks (recursa/curriculum.py, docs/curriculum.md): which task parameters the training tasks come from
+    (`mode` and `[[curriculum.arms]]`), hints for the never-solved ones (`[curriculum.tail]`), and B-STaR's choice of temperature and
+    samples per task in expert iteration (`[curriculum.bstar]`). Held-out evaluation and the gate always use env.kwargs."""
+
+    mode: Literal["off", "progress", "schedule"] = Field(
+        "off",
+        description="progress: each training task's arm is drawn with probability proportional to the arm's absolute learning progress "
+        "|fast EMA - slow EMA| of its pass rate, with an epsilon floor; schedule: every task from one arm, in declared order, moving on at "
+        "`schedule_steps` or when the arm's fast pass-rate EMA reaches `advance_at`; off: every task from env.kwargs",
+    )
+    arms: list[ArmConfig] = Field(default_factory=list, description="[[curriculum.arms]]: the task parameterisations, easiest first for mode = 'schedule' (at least 2)")
+    fast_rate: float = Field(0.5, gt=0, le=1, description="step size of the fast pass-rate EMA, f <- f + fast_rate (r - f) at each step the arm is drawn")
+    slow_rate: float = Field(0.1, gt=0, le=1, description="step size of the slow pass-rate EMA (< fast_rate)")
+    epsilon: float = Field(0.2, ge=0, le=1, description="mode = 'progress': p = epsilon / K + (1 - epsilon) x progress / sum of progress (uniform when no arm has progress)")
+    schedule_steps: list[int] = Field(
+        default_factory=list,
+        description="mode = 'schedule': the steps (rft: rounds) at which the next arm starts, increasing, one per later arm; may be fewer "
+        "with advance_at",
+    )
+    advance_at: float | None = Field(
+        None, gt=0, le=1, description="mode = 'schedule': move to the next arm after a step where the current arm's fast pass-rate EMA is at least this (None: steps only)"
+    )
+    tail: TailConfig = Field(default_factory=TailConfig)
+    bstar: BStarConfig = Field(default_factory=BStarConfig)
+
+    def arm_names(self) -> list[str]:
+        """Each arm's name in the metrics: as set, else 'arm<i>'."""
+        return [a.name or f"arm{i}" for i, a in enumerate(self.arms)]
+
+
+def _check_curriculum(cfg) -> None:
+    """The [curriculum] rules across keys and sections (one-line messages that name the fix)."""
+    from recursa.envs.dataset import uses_dataset
+
+    cc, recipe = cfg.curriculum, cfg.recipe
+    if cc.mode == "off":
+        if cc.arms:
+            raise ValueError("[[curriculum.arms]] are used by curriculum.mode = 'progress' or 'schedule': set the mode, or drop the arms")
+        if cc.schedule_steps or cc.advance_at is not None:
+            raise ValueError("curriculum.schedule_steps / advance_at are options of curriculum.mode = 'schedule': set the mode or drop them")
+    else:
+        k = len(cc.arms)
+        if k < 2:
+            raise ValueError(f"curriculum.mode = {cc.mode!r} chooses between arms but {k} [[curriculum.arms]] {'is' if k == 1 else 'are'} given: declare at least 2")
+        if k > MAX_ARMS:
+            raise ValueError(f"{k} [[curriculum.arms]] is above the maximum {MAX_ARMS}: merge some")
+        names = cc.arm_names()
+        dup = next((n for n in names if names.count(n) > 1), None)
+        if dup is not None:
+            raise ValueError(f"two [[curriculum.arms]] are named {dup!r}: give each a distinct name")
+        if uses_dataset(cfg):
+            raise ValueError(f"curriculum arms override env.kwargs, but the task is data.source = {cfg.data.source!r} (no env options): set curriculum.mode = 'off'")
+        if cc.slow_rate >= cc.fast_rate:
+            raise ValueError(f"curriculum.slow_rate = {cc.slow_rate} must be below curriculum.fast_rate = {cc.fast_rate}")
+        if cc.mode == "progress" and (cc.schedule_steps or cc.advance_at is not None):
+            raise ValueError("curriculum.schedule_steps / advance_at are options of curriculum.mode = 'schedule', not 'progress': drop them or change the mode")
+        if cc.mode == "schedule":
+            steps = cc.schedule_steps
+            if any(s < 1 for s in steps) or any(b <= a for a, b in zip(steps, steps[1:])):
+                raise ValueError(f"curriculum.schedule_steps = {steps} must be increasing steps >= 1")
+            if len(steps) > k - 1:
+                raise ValueError(f"curriculum.schedule_steps has {len(steps)} entries for {k} arms: give one per arm after the first ({k - 1})")
+            if cc.advance_at is None and len(steps) != k - 1:
+                raise ValueError(f"curriculum.mode = 'schedule' needs {k - 1} schedule_steps (one per arm after the first) or advance_at, a pass rate to move on at")
+    if cc.tail.enabled:
+        if recipe not in ("grpo", "rft"):
+            raise ValueError(f"curriculum.tail is available in the grpo and rft recipes, not in {recipe!r} (its [hatch] re-rolls all-fail groups with a hint): drop it")
+        if recipe == "grpo" and cc.tail.min_attempts > cfg.train.group_size:
+            raise ValueError(
+                f"curriculum.tail.min_attempts = {cc.tail.min_attempts} > train.group_size = {cfg.train.group_size}: grpo draws each task once, so "
+                "no task would ever join the table; set min_attempts <= group_size"
+            )
+        if recipe == "grpo" and cfg.rollout.branch != "off":
+            raise ValueError("curriculum.tail shows hints that branch continuations would not see: set rollout.branch = 'off' or curriculum.tail.enabled = false")
+    if cc.bstar.enabled and recipe != "rft":
+        raise ValueError(f"curriculum.bstar chooses expert iteration's temperature and samples per task, but recipe = {recipe!r}: set recipe = 'rft' or drop it")
+
+
 class InitConfig(_Section):
     """Where the weights start: the model's own, or a finished run's (a warm start)."""
 
@@ -692,6 +845,7 @@ class GRPOConfig(RecipeBase):
     gate: GateSettings = Field(default_factory=GateSettings)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     reward: list[RewardEntry] = Field(default_factory=list, description="[[reward]] entries: the training reward is their weighted sum (none: the env's reward)")
+    curriculum: CurriculumConfig = Field(default_factory=CurriculumConfig)
     rloop: RLoopConfig = Field(default_factory=RLoopConfig)
 
     @model_validator(mode="after")
@@ -729,6 +883,7 @@ class GRPOConfig(RecipeBase):
         _check_distributed(self)
         _check_rewards(self)
         _check_objective(self)
+        _check_curriculum(self)
         return self
 
 
@@ -756,6 +911,9 @@ def _check_objective(cfg) -> None:
     if branch != "off" and objective in ("rebel", "nft", "apo"):
         raise ValueError(f"rollout.branch = {branch!r} trains continuations on branch advantages, which algo.objective = {objective!r} does not read: "
                          "set rollout.branch = 'off', or use objective 'ppo', 'spo' or 'gpg'")
+    tail = getattr(getattr(cfg, "curriculum", None), "tail", None)
+    if cfg.algo.igrpo and tail is not None and tail.enabled:
+        raise ValueError("algo.igrpo and curriculum.tail both put a hint into a task's prompts (the best draft, the tail's guidance): use one of the two")
     if branch != "off" and cfg.algo.igrpo:
         raise ValueError(f"algo.igrpo shows each game's best draft in its prompts, which rollout.branch = {branch!r}'s replays do not: use one of the two")
 
@@ -914,6 +1072,7 @@ class RSIPOConfig(RecipeBase):
     gate: GateSettings = Field(default_factory=GateSettings)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     reward: list[RewardEntry] = Field(default_factory=list, description="[[reward]] entries: the training reward is their weighted sum (none: the env's reward)")
+    curriculum: CurriculumConfig = Field(default_factory=CurriculumConfig)
 
     @model_validator(mode="after")
     def _check(self) -> "RSIPOConfig":
@@ -1006,6 +1165,7 @@ class RFTConfig(RecipeBase):
     train: SupervisedConfig = Field(default_factory=lambda: SupervisedConfig(epochs=1))
     gate: GateSettings = Field(default_factory=GateSettings)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    curriculum: CurriculumConfig = Field(default_factory=CurriculumConfig)
 
     @model_validator(mode="after")
     def _check(self) -> "RFTConfig":
@@ -1015,6 +1175,7 @@ class RFTConfig(RecipeBase):
         if self.gate.skills_every:
             raise ValueError("gate.skills_every gates a skill library, which only the rsipo recipe has: set gate.skills_every = 0 or recipe = 'rsipo'")
         _check_distributed(self)
+        _check_curriculum(self)
         return self
 
 

@@ -157,7 +157,7 @@ def _sections(model: type[BaseModel], defaults: BaseModel | None, prefix: str = 
         value = getattr(defaults, name) if defaults is not None and not array else None
         key = f"{prefix}{name}"
         found.append((key, sub, value, field.description or "", array))
-        found.extend(entry[:4] + (False,) for entry in _sections(sub, value, key + "."))
+        found.extend(_sections(sub, value, key + "."))  # a nested array of tables (e.g. [[curriculum.arms]]) stays one
     return found
 
 

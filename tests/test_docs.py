@@ -129,6 +129,14 @@ RUNS = {
         *FAST, "train.steps=2", "eval.n=2", "skills.in_context=true", "gate.mode=gate", "gate.every=1", "gate.n=4", "gate.skills_every=1",
         "gate.prompt_every=1", "gate.prompt_candidates=1", "gate.prompt_select_n=2", "teacher.mode=imitation"]),
     "grpo, RLoop": ("examples/smoke.toml", None, [*FAST, "train.steps=2", "eval.n=2", "rloop.enabled=true", "rloop.rl_steps=1"]),
+    "grpo, curriculum arms and tail": ("examples/smoke.toml", None, [
+        *FAST, "train.steps=2", "eval.n=2", "curriculum.mode=progress", "curriculum.arms=[{kwargs = {difficulty = 0}}, {kwargs = {difficulty = 1}}]",
+        "curriculum.tail.enabled=true", "curriculum.tail.min_attempts=2"]),
+    "rft, curriculum schedule, tail and B-STaR": (None, "rft", [
+        *FAST, "env.name=toy-corridor", "rft.rounds=2", "rft.tasks_per_round=2", "rft.group_size=2", "eval.n=2", "curriculum.mode=schedule",
+        "curriculum.schedule_steps=[1]", "curriculum.arms=[{kwargs = {length = 1}}, {kwargs = {length = 2}}]", "curriculum.tail.enabled=true",
+        "curriculum.tail.min_attempts=2", "curriculum.bstar.enabled=true", "curriculum.bstar.temperatures=[0.8, 1.2]", "curriculum.bstar.samples=[2]",
+        "curriculum.bstar.probe_tasks=2"]),
     "grpo, rewards without a verifier": ("examples/smoke.toml", None, [
         *FAST, "train.steps=1", "eval.n=2", 'reward=[{kind = "self_consistency", verified_frac = 1.0, penalty = 0.1}, {kind = "self_judge"}]']),
 }
@@ -158,12 +166,14 @@ def test_glossary_covers_every_key_the_recipes_write(written_keys):
     for key in ("sft/loss", "rft/pass@2", "gate/p_value", "prompt/proposals", "hatch/win_rate", "skills/gate_p_value",
                 "teacher/imitation_weight_mean", "teacher/critical_turn_mean", "eval_skills/success_rate", "rollout/tis_weight_mean",
                 "episode/step_adv_abs_mean", "skills/retired", "reward/self_consistency/trust", "reward/self_judge/corr", "branch/nonzero_frac",
-                "rloop/sft_loss", "rloop/harvest_rows", "time/rloop_s"):
+                "rloop/sft_loss", "rloop/harvest_rows", "time/rloop_s",
+                "curriculum/tail_solved_share", "curriculum/arm", "curriculum/bstar_temperature", "curriculum/progress/arm0"):
         assert key in written_keys, key
 
 
 # String literals in the modules that write metrics: "group/name" or f"group/{...}".
-METRIC_SOURCES = ["recipes/*.py", "algorithms/*.py", "skills/*.py", "distributed/*.py", "rewards.py", "self_rewards.py", "envs/*.py", "branching.py"]
+METRIC_SOURCES = ["recipes/*.py", "algorithms/*.py", "skills/*.py", "distributed/*.py", "rewards.py", "self_rewards.py", "envs/*.py", "branching.py",
+                  "curriculum.py"]
 _LITERAL = re.compile(r"""(f?)"([a-z_{}]+/[A-Za-z0-9_@/{}<>.]*)\"""")
 _NOT_METRICS = re.compile(r"\.(json|jsonl|toml|md|png|safetensors|pt)$|^(checkpoints|incumbents|runs)/")
 

@@ -559,3 +559,13 @@ def test_branching_refuses_objectives_and_igrpo_it_cannot_feed():
     with pytest.raises(UserError, match="use one of the two"):
         load_config(None, [*game, "algo.igrpo=true"], recipe="grpo")
     load_config(None, [*game, 'algo.objective="spo"'], recipe="grpo")  # a per-token objective reads the branch advantages
+
+
+def test_igrpo_refuses_the_curriculum_tail():
+    """iGRPO's best draft and the curriculum tail's guidance would both be a task's hint: refused in one line."""
+    from recursa.config import load_config
+    from recursa.errors import UserError
+
+    with pytest.raises(UserError, match="use one of the two"):
+        load_config(None, ["algo.igrpo=true", "curriculum.mode=progress", "curriculum.arms=[{kwargs = {difficulty = 0}}]",
+                           "curriculum.tail.enabled=true"], recipe="grpo")

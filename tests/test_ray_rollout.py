@@ -187,6 +187,11 @@ RECIPE_RUNS = {  # recipe module, config, overrides, tolerance of float metrics 
     "grpo_branch": (grpo, SMOKE, ["env.name=household", "env.kwargs={rooms = 1, objects_per_room = 2, distractors = 0, max_steps = 4}",
                                   "train.steps=2", "train.prompts_per_step=2", "train.group_size=2", "rollout.branch=random", "rollout.branch_k=2",
                                   "eval.n=2", "run.checkpoint_every=0"], 1e-5),
+    # curriculum arms (each worker's envs route a training seed to its arm) and tail hints, sharded with their seeds
+    "grpo_curriculum": (grpo, SMOKE, ["env.name=household", "env.kwargs={rooms = 1, objects_per_room = 2, distractors = 0, max_steps = 4}",
+                                      "train.steps=2", "train.prompts_per_step=2", "train.group_size=2", "curriculum.mode=progress",
+                                      "curriculum.arms=[{kwargs = {rooms = 1}}, {kwargs = {rooms = 2}}]", "curriculum.tail.enabled=true",
+                                      "curriculum.tail.min_attempts=2", "curriculum.tail.frac=0.5", "eval.n=2", "run.checkpoint_every=0"], 1e-5),
 }
 
 

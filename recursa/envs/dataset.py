@@ -264,11 +264,18 @@ def uses_dataset(cfg) -> bool:
 def task_factory(cfg):
     """A picklable zero-argument factory of the config's task env (for an `EnvPool` here, or a
     Ray worker elsewhere): the [data] rows as a `DatasetEnv`, else `env.name` with `env.kwargs`
-    (a 'pkg.module:attr' or entry-point spec is re-imported by name in the other process)."""
+    (a 'pkg.module:attr' or entry-point spec is re-imported by name in the other process); with
+    curriculum arms, an `ArmsEnv` whose training seeds play the arms' settings and whose
+    held-out seeds play `env.kwargs` (recursa/envs/arms.py)."""
     from recursa.envs.base import env_factory
 
     if uses_dataset(cfg):
         return functools.partial(DatasetEnv, **dataset_env_kwargs(cfg.data))
+    curriculum = getattr(cfg, "curriculum", None)
+    if curriculum is not None and curriculum.mode != "off":
+        from recursa.envs.arms import arms_factory
+
+        return arms_factory(cfg.env.name, cfg.env.kwargs, [a.kwargs for a in curriculum.arms])
     return env_factory(cfg.env.name, **cfg.env.kwargs)
 
 

@@ -1,7 +1,9 @@
 """The GRPO-family recipe, written out.
 
     for step in range(steps):
-        seeds      <- B training seeds for this step
+        seeds      <- B training seeds for this step ([curriculum]: drawn from the arms by learning
+                      progress or a schedule, and a share re-offered from the never-solved tail
+                      with a hint in the prompt; recursa/curriculum.py)
         rollout    -> B x G trajectories (token ids, action masks, sampler log-probs, rewards);
                       for multi-turn games B x G episodes, one training row per turn; played
                       in this process or on Ray workers (`distributed`, recursa/distributed/)
@@ -58,6 +60,7 @@ from recursa.algorithms.objectives import (
 )
 from recursa.branching import branch_metrics, branched_advantages, sample_branches
 from recursa.config import GRPOConfig
+from recursa.curriculum import Curriculum, check_curriculum
 from recursa.distributed.ddp import SINGLE, DataParallel, SingleProcess
 from recursa.distributed.rollouts import make_rollouts
 from recursa.engines import make_engine
@@ -527,6 +530,7 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
     branching = cfg.rollout.branch != "off"
     single_turn_error = (f"rollout.branch = {cfg.rollout.branch!r} branches multi-turn games, but this task is single-turn (one reply per episode, "
                          "nothing to replay): set rollout.branch = 'off', or train on a game such as env.name = 'household'") if branching else None
+    check_curriculum(cfg)  # a bad arm option or tail hint fails before the run directory is touched
     run = open_run(cfg, out, resume, log, kl_reference=cfg.algo.needs_reference, single_turn_error=single_turn_error)
     pool, store, policy, optimizer, multi_turn = run.pool, run.store, run.policy, run.optimizer, run.multi_turn
     model = policy.causal_lm
@@ -543,6 +547,7 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
     reward_set = RewardSet.from_config(cfg.reward, SelfRewardContext(cfg, policy, pool.take(1)[0], run.init_dir) if builtin else None)  # None: the env's reward alone
     if reward_set is not None and run.state.get("rewards"):
         reward_set.load_state_dict(run.state["rewards"])  # self_consistency's label-accuracy counts at the checkpoint
+    curriculum = Curriculum.open(cfg, multi_turn, run.state)  # None when [curriculum] is off
     eval_before(run, cfg, progress, log, engine=engine)
 
     sampling = SamplingParams(cfg.sampling.max_new_tokens, cfg.sampling.temperature, cfg.sampling.top_p, tuple(cfg.sampling.stop))
@@ -552,11 +557,13 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
     for step in range(start_step, cfg.train.steps):
         t0 = time.perf_counter()
         gen = step_generator(cfg.train.seed, step)
-        seeds = train_seeds(cfg, step)
+        tasks = curriculum.tasks(step, B, pool.take(1)[0]) if curriculum is not None else None  # arms, tail re-offers with hints
+        seeds = train_seeds(cfg, step) if tasks is None else tasks.seeds
+        hints = None if tasks is None else tasks.hints
         system_prompt = cfg.model.system_prompt or None
         if loop is not None:
             loop.begin(step, policy, optimizer)  # a phase's first step keeps the weights the phase will reset to
-        episode_metrics, reward_metrics, hints, draft_metrics = {}, {}, None, {}
+        episode_metrics, reward_metrics, draft_metrics = {}, {}, {}
         branches = None
         if cfg.algo.igrpo:  # iGRPO's first stage: the best of each task's drafts goes into its prompt
             hints, draft_metrics = draft_hints(rollouts, seeds, cfg, sampling, gen, system_prompt, multi_turn, reward_set, step)
@@ -566,6 +573,7 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
             # step term when asked). Each turn is one training row.
             ero = rollouts.episodes(seeds, G, sampling, gen, system_prompt, cfg.agent, hints=hints)
             episodes, gen_stats = ero.episodes, ero.stats
+            wins = [[e.won for e in episodes[i * G : (i + 1) * G]] for i in range(B)]
             if branching:  # K continuations from a turn of each group's first episodes, replayed to it (recursa/branching.py)
                 branches = sample_branches(rollouts, episodes, G, sampling, gen, system_prompt, cfg.agent, cfg.rollout)
                 gen_stats = GenerationStats(*(a + b for a, b in zip(dataclasses.astuple(gen_stats), dataclasses.astuple(branches.stats))))
@@ -596,6 +604,7 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
         else:
             ro = rollouts.rollout(seeds, G, sampling, gen, system_prompt, hints=hints)
             trajs, gen_stats = ro.trajectories, ro.stats
+            wins = [[t.success for t in trajs[i * G : (i + 1) * G]] for i in range(B)]
             t1 = time.perf_counter()
             offsets = None
             if reward_set is not None:  # [[reward]]: each trajectory's reward becomes the weighted sum
@@ -651,6 +660,9 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
             **rollouts.metrics(),
             **pool.metrics(),  # env/restarts: games that crashed or hung this step
         }
+        if curriculum is not None:  # the arms' pass-rate averages and the tail table learn from this step
+            curriculum.observe(tasks, wins)
+            metrics.update(curriculum.metrics())
         store.log_metrics(step + 1, metrics)
         store.log_samples(step + 1, [
             {"seed": t.seed, "prompt": t.prompt_text, "completion": t.completion_text, "reward": t.reward, "advantage": float(row_advantages[i])}
@@ -676,7 +688,8 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
             log(f"eval @ {done}: success {r.success_rate:.3f} [{r.ci95[0]:.3f}, {r.ci95[1]:.3f}]")
         if (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0) or done == cfg.train.steps:
             saved = reward_set.state_dict() if reward_set is not None else {}
-            state = {"opt_steps": opt_step, **({"rewards": saved} if saved else {}), **({"episodes": sampled_total} if branching else {})}
+            state = {"opt_steps": opt_step, **({"rewards": saved} if saved else {}), **({"episodes": sampled_total} if branching else {}),
+                     **({"curriculum": curriculum.state_dict()} if curriculum is not None else {})}
             store.save_checkpoint(done, policy, optimizer, state)
 
     rollouts.close()

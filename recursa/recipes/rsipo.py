@@ -1,7 +1,7 @@
 """The RSIPO recipe (recursive self-improving policy optimization), written out.
 
     for step in range(steps):
-        seeds      <- B training seeds (as GRPO)
+        seeds      <- B training seeds (as GRPO; [curriculum] arms drawn by learning progress or a schedule)
         [in context <- skills.in_context: per task, the library's best skill, shown to the policy in its own
                       prompts (after the task line / the question, where the teacher's hint goes)]
         rollout    -> B x G attempts: single-turn completions, or multi-turn episodes (one row per turn),
@@ -112,6 +112,7 @@ from recursa.algorithms.losses import part_scales
 from recursa.algorithms.routing import ALL_WIN, critical_weights, divergence_turn, group_routes, route_counts, route_gate
 from recursa.algorithms.trust import TrustEstimator, agreement_trials
 from recursa.config import RSIPOConfig
+from recursa.curriculum import Curriculum, check_curriculum
 from recursa.engines import make_engine
 from recursa.envs import EnvPool, system_prompt_of
 from recursa.generation import GenerationStats, SamplingParams, generate, sequence_logprobs, shared_prefix_logprobs
@@ -1116,6 +1117,7 @@ def final_evals(policy: Policy, cfg: RSIPOConfig, run, library: SkillLibrary, mu
 
 def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress | None = None, log: Callable[[str], None] = print) -> Path:
     """Run the recipe into `out` (continuing from its last checkpoint when `resume`)."""
+    check_curriculum(cfg)  # a bad arm option or tail hint fails before the run directory is touched
     run = open_run(cfg, out, resume, log, kl_reference=cfg.algo.kl_coef > 0, detail=f"; teacher {cfg.teacher.source}")
     pool, store, policy, optimizer, multi_turn = run.pool, run.store, run.policy, run.optimizer, run.multi_turn
     system = system_prompt_of(pool.take(1)[0]) or cfg.model.system_prompt or None
@@ -1149,6 +1151,7 @@ def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress 
         system = system_prompt_of(pool.take(1)[0]) or cfg.model.system_prompt or None
     failures: deque[tuple[str, str]] = deque((failure_of(a) for a in played_before if not a.success), maxlen=4)  # recent failures (restored on resume), what prompt proposals read
     rollouts = make_rollouts(cfg, policy, pool, log, engine)  # in this process (through the engine), or on Ray workers
+    curriculum = Curriculum.open(cfg, multi_turn, run.state)  # curriculum arms (recursa/curriculum.py); None when off
     eval_before(run, cfg, progress, log, hints=hints_for, engine=engine)
 
     sampling = SamplingParams(cfg.sampling.max_new_tokens, cfg.sampling.temperature, cfg.sampling.top_p, tuple(cfg.sampling.stop))
@@ -1156,7 +1159,8 @@ def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress 
     for step in range(run.start_step, cfg.train.steps):
         times = [time.perf_counter()]
         gen = step_generator(cfg.train.seed, step)
-        seeds = train_seeds(cfg, step)
+        tasks = curriculum.tasks(step, B, pool.take(1)[0]) if curriculum is not None else None  # the arms' tasks (no tail guidance here: see [hatch])
+        seeds = train_seeds(cfg, step) if tasks is None else tasks.seeds
         shown = hints_for(seeds) if hints_for is not None else None  # (B,) the skill hint in each task's prompts, or None
 
         # ---- rollout and outcome advantages (as GRPO); the attempts join the replay buffer
@@ -1202,6 +1206,9 @@ def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress 
 
         metrics = {**step_metrics(played, skills, hinted, wins, taught, shares, extra, routes, st, len(batch), cfg, opt_step, episodes, times),
                    **rollouts.metrics(), **pool.metrics()}
+        if curriculum is not None:  # the arms' pass-rate averages learn from this step's groups
+            curriculum.observe(tasks, played.success.tolist())
+            metrics.update(curriculum.metrics())
         store.log_metrics(step + 1, metrics)
         store.log_samples(step + 1, [
             {"seed": t.seed, "prompt": t.prompt_text, "completion": t.completion_text, "reward": t.reward, "advantage": float(played.row_adv[i])}
@@ -1227,6 +1234,8 @@ def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress 
             saved = {"opt_steps": opt_step, "trust": trust.state_dict(), "skills": library.snapshot(), "episodes": episodes}
             if skill_gate is not None:
                 saved["skills_incumbent"] = skill_gate.incumbent  # the last accepted library, for a resumed skills gate
+            if curriculum is not None:
+                saved["curriculum"] = curriculum.state_dict()
             store.save_checkpoint(done, policy, optimizer, saved)
 
     rollouts.close()
