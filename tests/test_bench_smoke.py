@@ -58,3 +58,34 @@ def test_vs_trl_without_trl_exits_2(tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert len(proc.stderr.strip().splitlines()) == 1 and "TRL is not installed" in proc.stderr
     assert not (tmp_path / "vs_trl.json").exists()
+
+
+def test_exploration_probe_scores_replies_with_the_tempered_softmax():
+    """benchmarks/exploration_probe.py's scorer: at every temperature, the probabilities of all
+    one-token replies sum to 1 (the sampler's tempered softmax, read at the right position),
+    two-token replies chain the conditionals, and T = 1 matches a plain forward pass."""
+    import math
+
+    import torch
+
+    from recursa.config import ModelConfig
+    from recursa.models import build_tiny_model, tiny_tokenizer
+
+    spec = importlib.util.spec_from_file_location("exploration_probe", REPO / "benchmarks" / "exploration_probe.py")
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    torch.manual_seed(0)
+    tok = tiny_tokenizer()
+    model = build_tiny_model(ModelConfig(name="tiny-random"), tok).eval()
+    prompt = tok("go to the fridge", add_special_tokens=False)["input_ids"]
+    vocab = len(tok)
+    for t in (1.0, 1.5, 2.0):
+        total = sum(math.exp(v) for v in probe.sequence_logprobs(model, prompt, [[i] for i in range(vocab)], [t])[t])
+        assert abs(total - 1.0) < 1e-4, (t, total)
+    a, b = 7, 11
+    two = probe.sequence_logprobs(model, prompt, [[a, b]], [1.0])[1.0][0]
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + [a, b]])).logits[0].float()
+    lp = torch.log_softmax(logits, dim=-1)
+    expected = lp[len(prompt) - 1, a] + lp[len(prompt), b]
+    assert abs(two - expected.item()) < 1e-4
