@@ -357,6 +357,7 @@ class RolloutConfig(_Section):
 
 OBJECTIVES = ("ppo", "spo", "gpg", "rebel", "nft", "apo")
 SEQUENCE_OBJECTIVES = ("rebel", "apo")  # a loss of whole sequences' log-ratios (recursa/algorithms/objectives.py)
+OUTCOME_OBJECTIVES = ("rebel", "nft", "apo")  # read each sequence's reward and verdict (grpo's Outcomes), not the advantage
 
 
 class AlgoConfig(_Section):
@@ -900,7 +901,7 @@ def _check_objective(cfg) -> None:
             f"algo.objective = {objective!r} is a loss of whole sequences and task groups, which mini-batches would split: set train.mini_batches = 1 "
             "(train.epochs may be > 1)"
         )
-    if objective in ("rebel", "nft", "apo") and cfg.algo.step_advantage != "none":
+    if objective in OUTCOME_OBJECTIVES and cfg.algo.step_advantage != "none":
         raise ValueError(
             f"algo.step_advantage = {cfg.algo.step_advantage!r} adds to the advantage, which algo.objective = {objective!r} does not read "
             "(it reads rewards and verdicts): set algo.step_advantage = 'none'"
@@ -908,7 +909,7 @@ def _check_objective(cfg) -> None:
     if objective in SEQUENCE_OBJECTIVES and cfg.rollout.tis_cap is not None:
         raise ValueError(f"rollout.tis_cap weights per-token losses; algo.objective = {objective!r} is a loss of whole sequences: set rollout.tis_cap = None")
     branch = getattr(cfg.rollout, "branch", "off")
-    if branch != "off" and objective in ("rebel", "nft", "apo"):
+    if branch != "off" and objective in OUTCOME_OBJECTIVES:
         raise ValueError(f"rollout.branch = {branch!r} trains continuations on branch advantages, which algo.objective = {objective!r} does not read: "
                          "set rollout.branch = 'off', or use objective 'ppo', 'spo' or 'gpg'")
     tail = getattr(getattr(cfg, "curriculum", None), "tail", None)

@@ -59,7 +59,7 @@ from recursa.algorithms.objectives import (
     apo_loss, apo_values, nft_loss, pg_loss, ratio_stats, rebel_loss, sequence_sums, sequence_surrogate, sequence_weights, spo_loss,
 )
 from recursa.branching import branch_metrics, branched_advantages, sample_branches
-from recursa.config import GRPOConfig
+from recursa.config import OUTCOME_OBJECTIVES, GRPOConfig
 from recursa.curriculum import Curriculum, check_curriculum
 from recursa.distributed.ddp import SINGLE, DataParallel, SingleProcess
 from recursa.distributed.rollouts import make_rollouts
@@ -229,7 +229,7 @@ def update(
     tc, ac = cfg.train, cfg.algo
     tis_cap = cfg.rollout.tis_cap
     sequence_objective = ac.objective in SEQUENCE_LOSSES
-    if ac.objective in ("rebel", "nft", "apo") and outcomes is None:
+    if ac.objective in OUTCOME_OBJECTIVES and outcomes is None:
         raise ValueError(f"algo.objective = {ac.objective!r} reads the rollout's outcomes: pass outcomes=Outcomes(...)")
     learner.announce("update", batch=batch, generator=generator.get_state(), opt_step=opt_step, imitation=imitation, outcomes=outcomes)
     learner.share_weights(policy)  # workers start from rank 0's weights (a rollback or resume included)
@@ -623,7 +623,7 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
         harvest_metrics = loop.harvest(step + 1, played if multi_turn else trajs) if loop is not None else {}  # the step's successes, for the phase's fine-tune
         batch = collate(trajs, row_advantages, policy.tokenizer.pad_token_id, policy.device)
         outcomes = None
-        if cfg.algo.objective in ("rebel", "nft", "apo"):  # the sequence objectives read each sequence's outcome
+        if cfg.algo.objective in OUTCOME_OBJECTIVES:  # the sequence objectives read each sequence's outcome
             outcomes = Outcomes(rewards, torch.tensor(success, dtype=torch.float32, device="cpu").view(B, G), torch.tensor(row_seq, dtype=torch.long, device="cpu"))
         st = update(policy, optimizer, batch, cfg, gen, opt_step, learner=run.learner, outcomes=outcomes)
         check_finite(step + 1, loss=st.loss, grad_norm=st.grad_norm)
