@@ -89,3 +89,30 @@ def test_exploration_probe_scores_replies_with_the_tempered_softmax():
     lp = torch.log_softmax(logits, dim=-1)
     expected = lp[len(prompt) - 1, a] + lp[len(prompt), b]
     assert abs(two - expected.item()) < 1e-4
+
+
+def test_methods_demo_runs_compares_and_reuses(tmp_path):
+    """benchmarks/methods_demo.py --tiny: each method's run writes its result file, the table pairs it
+    with grpo on the same items, and a second invocation reuses the files instead of training again;
+    a method with a start of its own trains that start first."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    cmd = [sys.executable, "benchmarks/methods_demo.py", "--tiny", "--out", str(tmp_path / "res"), "--runs-dir", str(tmp_path / "runs"),
+           "--methods", "grpo,spo,self_reward"]
+    first = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-2000:]
+    for name in ("grpo", "spo", "arithmetic_sft", "self_reward"):
+        r = json.loads((tmp_path / "res" / f"{name}.json").read_text())
+        assert r["settings"]["method"] == name and len(r["after"]["items"]) == 8
+    spo = json.loads((tmp_path / "res" / "spo.json").read_text())
+    assert 'algo.objective="spo"' in spo["settings"]["sets"] and len(spo["train_reward"]) == 2
+    assert json.loads((tmp_path / "res" / "self_reward.json").read_text())["settings"]["start"] == "arithmetic_sft"
+    table = (tmp_path / "res.md").read_text()
+    assert "| spo |" in table and "| self_reward |" in table and "p = " in table
+    second = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert second.stdout.count("committed result") == 3 and "running" not in second.stdout

@@ -1,0 +1,241 @@
+#!/usr/bin/env python
+"""The issue-17 methods on the demo task, each against plain GRPO on the same held-out items.
+
+Every method is the demo run (`examples/demo.toml`: the embedded SmolLM2-135M-Instruct,
+single-digit addition, 16 steps x 8 prompts x 8 samples, lr 2e-5) with one switch changed,
+so the only difference between a method's run and the `grpo` run is that switch. Each run is
+evaluated greedily on the same first 200 test items before and after training, and the
+comparison with `grpo` is paired on those items (exact McNemar, Newcombe interval).
+
+    python benchmarks/methods_demo.py                    # every method; reuses committed results
+    python benchmarks/methods_demo.py --methods grpo,spo # some of them
+    python benchmarks/methods_demo.py --report           # tables from committed results alone
+    python benchmarks/methods_demo.py --tiny --out /tmp/m  # tiny random model: checks the script
+
+Each finished run writes one small file, `benchmarks/results/methods_demo/<method>.json`
+(settings, before/after success with intervals, per-item successes, the last training row
+and the wall time); a later invocation skips a method whose committed file has the same
+settings, so the table can be completed over several sittings. Methods that need a start of
+their own name it (`self_reward` starts from `arithmetic_sft`, the supervised run whose
+weights are its pi_SFT), and the start runs first.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+RESULTS = REPO / "benchmarks" / "results" / "methods_demo"
+DEMO = "examples/demo.toml"
+# Bump when a change to recursa alters what an existing method's configuration computes.
+CODE_VERSION = 1
+
+# name -> (config, --set overrides, the run this one starts from or None, the switch in words)
+METHODS: dict[str, tuple[str, list[str], str | None, str]] = {
+    "grpo": (DEMO, [], None, "the demo run (algo.advantage = grpo, PPO-clip)"),
+    "gopo": ("examples/gopo_demo.toml", [], None, 'algo.advantage = "gopo"'),
+    "spo": (DEMO, ['algo.objective="spo"', "algo.spo_eps=0.2"], None, 'algo.objective = "spo"'),
+    "gpg": (DEMO, ['algo.advantage="gpg"', 'algo.objective="gpg"'], None, 'algo.advantage = algo.objective = "gpg"'),
+    "rebel": (DEMO, ['algo.objective="rebel"', "algo.rebel_eta=1.0"], None, 'algo.objective = "rebel"'),
+    "nft": (DEMO, ['algo.objective="nft"', "algo.nft_neg_clamp=1.0"], None, 'algo.objective = "nft"'),
+    "apo": (DEMO, ['algo.objective="apo"', "algo.apo_beta=0.5", "algo.apo_value_beta=0.5"], None, 'algo.objective = "apo"'),
+    "igrpo": (DEMO, ["algo.igrpo=true", "algo.igrpo_drafts=4"], None, "algo.igrpo = true"),
+    "self_consistency": ("examples/rewards/self_consistency.toml", [], None, '[[reward]] kind = "self_consistency" (verifier weight 0)'),
+    "self_judge": ("examples/rewards/self_judge.toml", [], None, '[[reward]] kind = "self_judge" (verifier weight 0)'),
+    "arithmetic_sft": ("examples/rewards/arithmetic_sft.toml", [], None, "recipe = sft on 64 reference answers (the start of self_reward)"),
+    "self_reward": ("examples/rewards/self_reward.toml", [], "arithmetic_sft", '[[reward]] kind = "self_reward" (verifier weight 0), from arithmetic_sft'),
+}
+BASELINE = "grpo"
+TINY_COMMON = ['model.name="tiny-random"', "train.micro_batch_size=8", "eval.n=8", "eval.batch_size=8", "sampling.max_new_tokens=6", "run.threads=1"]
+TINY_RL = ["train.steps=2", "train.prompts_per_step=2", "train.group_size=4"]
+TINY_SFT = ["data.n=8", "train.batch_size=4"]
+
+
+def settings(name: str, tiny: bool) -> dict:
+    config, sets, start, _ = METHODS[name]
+    spec = {"method": name, "config": config, "sets": list(sets), "start": start, "code_version": CODE_VERSION, "tiny": tiny}
+    if start is not None:
+        spec["start_settings"] = settings(start, tiny)
+    return spec
+
+
+def _load(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _training_rows(run_dir: Path) -> list[dict]:
+    """The run's training rows of metrics.jsonl (not its evaluation rows), numbers only."""
+    rows = []
+    path = run_dir / "metrics.jsonl"
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if "time/step_s" in rec and not any(k.startswith("eval/") for k in rec):
+                rows.append({k: v for k, v in rec.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
+    return rows
+
+
+def run_method(name: str, args, done: dict, rerun: bool = False) -> dict:
+    """Run one method (its start first) unless a result with the same settings exists (or rerun:
+    a start whose weights are gone is trained again)."""
+    spec = settings(name, args.tiny)
+    out = args.results / f"{name}.json"
+    old = _load(out)
+    if old is not None and old.get("settings") == spec and not rerun:
+        print(f"{name:18s} committed result ({out})", flush=True)
+        done[name] = old
+        return old
+    config, sets, start, _ = METHODS[name]
+    run_dir = args.runs_dir / name
+    extra = list(sets)
+    if start is not None:
+        start_dir = args.runs_dir / start
+        if start not in done or not (start_dir / "checkpoints").exists():
+            # a committed result of the start is not enough: this run needs its weights
+            run_method(start, args, done, rerun=not (start_dir / "checkpoints").exists())
+        extra.append(f'init.from_run="{start_dir}"')
+    if args.tiny:
+        extra += TINY_COMMON + (TINY_SFT if "sft" in name else TINY_RL)
+    cmd = [sys.executable, "-m", "recursa.cli", "train", config, "--out", str(run_dir), "--overwrite"]
+    for s in extra:
+        cmd += ["--set", s]
+    args.runs_dir.mkdir(parents=True, exist_ok=True)
+    log = args.runs_dir / f"{name}.log"
+    print(f"{name:18s} running: {' '.join(cmd[2:])}  (log {log})", flush=True)
+    t0 = time.time()
+    with open(log, "w") as fh:
+        rc = subprocess.call(cmd, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT)
+    wall = time.time() - t0
+    if rc != 0:
+        tail = log.read_text().strip().splitlines()[-1:] if log.exists() else []
+        raise SystemExit(f"{name}: recursa train exited {rc}: {tail[0] if tail else '(no output)'} (log {log})")
+    before = _load(run_dir / "eval" / "before.json")
+    after = _load(run_dir / "eval" / "after.json")
+    if after is None:
+        raise SystemExit(f"{name}: the run wrote no eval/after.json ({run_dir})")
+
+    def summary(ev):
+        if ev is None:
+            return None
+        return {"success": ev["success_rate"], "ci95": ev["ci95"], "n": ev["n"], "step": ev.get("step"),
+                "items": [[it["seed"], bool(it["success"])] for it in ev["items"]]}
+
+    rows = _training_rows(run_dir)
+    result = {
+        "settings": spec,
+        "switch": METHODS[name][3],
+        "command": "recursa train " + " ".join(cmd[4:]).replace(str(REPO) + "/", ""),
+        "before": summary(before),
+        "after": summary(after),
+        "train_reward": [round(r.get("reward/mean", float("nan")), 4) for r in rows],  # per step, the training reward
+        "last_train_row": rows[-1] if rows else {},
+        "wall_s": round(wall, 1),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+    args.results.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(result, indent=1) + "\n")
+    tmp.replace(out)
+    print(f"{name:18s} after {result['after']['success']:.3f}  ({wall:.0f} s) -> {out}", flush=True)
+    done[name] = result
+    return result
+
+
+def _paired(a: dict, b: dict) -> dict | None:
+    """Paired comparison of run b against run a on the items both evaluated (by seed)."""
+    from recursa.stats import paired_compare
+
+    sa = dict((s, ok) for s, ok in a["items"])
+    sb = dict((s, ok) for s, ok in b["items"])
+    seeds = [s for s in sa if s in sb]
+    if not seeds:
+        return None
+    return paired_compare([sa[s] for s in seeds], [sb[s] for s in seeds])
+
+
+def report(results_dir: Path) -> str:
+    rows = {p.stem: _load(p) for p in sorted(results_dir.glob("*.json"))}
+    rows = {k: v for k, v in rows.items() if v and v.get("after")}
+    base = rows.get(BASELINE)
+    lines = [
+        "# The issue-17 methods on the demo task",
+        "",
+        "Each run is `examples/demo.toml` (embedded SmolLM2-135M-Instruct, single-digit addition, 16 steps x 8 prompts x 8 samples) "
+        "with one switch changed; held-out: the same first 200 test items, greedy, before and after. "
+        "`vs grpo` pairs each run's after-training successes with the `grpo` run's on the same items: "
+        "items won / lost against GRPO, the difference with its 95% interval (Newcombe) and the two-sided exact McNemar p. "
+        "`vs own start` does the same against the run's own evaluation before training. "
+        "Produced by `python benchmarks/methods_demo.py`; one file per method in `methods_demo/`.",
+        "",
+        "| method | switch | before | after [95%] | vs own start: won/lost, p | vs grpo: won/lost, diff [95%], p | s |",
+        "|---|---|---:|---|---|---|---:|",
+    ]
+    order = [m for m in METHODS if m in rows] + [m for m in rows if m not in METHODS]
+    for name in order:
+        r = rows[name]
+        after = r["after"]
+        before = r.get("before")
+        lo, hi = after["ci95"]
+        own = "-"
+        if before is not None:
+            pc = _paired(before, after)
+            if pc:
+                own = f"+{pc['b']}/-{pc['c']}, p = {pc['p_two_sided']:.2g}"
+        vs = "-"
+        if base is not None and name != BASELINE:
+            pc = _paired(base["after"], after)
+            if pc:
+                dlo, dhi = pc["diff_ci95"]
+                vs = f"+{pc['b']}/-{pc['c']}, {pc['diff']:+.3f} [{dlo:+.3f}, {dhi:+.3f}], p = {pc['p_two_sided']:.2g}"
+        b = f"{before['success']:.3f}" if before else "-"
+        switch = r.get("switch", "").replace("|", "\\|")
+        lines.append(f"| {name} | {switch} | {b} | {after['success']:.3f} [{lo:.3f}, {hi:.3f}] | {own} | {vs} | {r.get('wall_s', 0):.0f} |")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated: {', '.join(METHODS)}")
+    p.add_argument("--results", "--out", type=Path, default=RESULTS, help="per-method result files and the table (default: benchmarks/results/methods_demo)")
+    p.add_argument("--runs-dir", type=Path, default=REPO / "runs" / "methods_demo", help="run directories")
+    p.add_argument("--tiny", action="store_true", help="tiny random model, 2 steps, 8 items: checks the script in seconds")
+    p.add_argument("--keep-runs", action="store_true", help="keep each run's directory (checkpoints are 0.5 GB at 135M)")
+    p.add_argument("--report", action="store_true", help="run nothing: the table from the result files present")
+    args = p.parse_args(argv)
+    names = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in names if m not in METHODS]
+    if unknown:
+        raise SystemExit(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+    if not args.report:
+        done: dict = {}
+        needed_as_start = {METHODS[m][2] for m in METHODS if METHODS[m][2]}
+        for name in names:
+            run_method(name, args, done)
+        if not args.keep_runs:
+            for name in done:
+                if name not in needed_as_start:
+                    shutil.rmtree(args.runs_dir / name / "checkpoints", ignore_errors=True)
+    args.results.mkdir(parents=True, exist_ok=True)
+    table = report(args.results)
+    (args.results.parent / f"{args.results.name}.md").write_text(table)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
