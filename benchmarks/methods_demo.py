@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The issue-17 methods on the demo task, each against plain GRPO on the same held-out items.
+"""One switch at a time on the demo task (the issue-17 methods, low-precision decoding), each against plain GRPO on the same held-out items.
 
 Every method is the demo run (`examples/demo.toml`: the embedded SmolLM2-135M-Instruct,
 single-digit addition, 16 steps x 8 prompts x 8 samples, lr 2e-5) with one switch changed,
@@ -52,6 +52,9 @@ METHODS: dict[str, tuple[str, list[str], str | None, str]] = {
     "self_judge": ("examples/rewards/self_judge.toml", [], None, '[[reward]] kind = "self_judge" (verifier weight 0)'),
     "arithmetic_sft": ("examples/rewards/arithmetic_sft.toml", [], None, "recipe = sft on 64 reference answers (the start of self_reward)"),
     "self_reward": ("examples/rewards/self_reward.toml", [], "arithmetic_sft", '[[reward]] kind = "self_reward" (verifier weight 0), from arithmetic_sft'),
+    # issue 15: sampling with a low-precision copy of the weights (the trainer keeps fp32; TIS corrects the mismatch)
+    "decode_bf16": (DEMO, ['rollout.decode_dtype="bfloat16"', "rollout.tis_cap=2.0"], None, 'rollout.decode_dtype = "bfloat16", rollout.tis_cap = 2'),
+    "decode_int8": (DEMO, ['rollout.decode_dtype="int8"', "rollout.tis_cap=2.0"], None, 'rollout.decode_dtype = "int8", rollout.tis_cap = 2'),
 }
 BASELINE = "grpo"
 TINY_COMMON = ['model.name="tiny-random"', "train.micro_batch_size=8", "eval.n=8", "eval.batch_size=8", "sampling.max_new_tokens=6", "run.threads=1"]
@@ -172,7 +175,7 @@ def report(results_dir: Path) -> str:
     rows = {k: v for k, v in rows.items() if v and v.get("after")}
     base = rows.get(BASELINE)
     lines = [
-        "# The issue-17 methods on the demo task",
+        "# One switch at a time on the demo task: the issue-17 methods and low-precision decoding",
         "",
         "Each run is `examples/demo.toml` (embedded SmolLM2-135M-Instruct, single-digit addition, 16 steps x 8 prompts x 8 samples) "
         "with one switch changed; held-out: the same first 200 test items, greedy, before and after. "
