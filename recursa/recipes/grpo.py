@@ -525,6 +525,103 @@ def draft_hints(rollouts, seeds: list[int], cfg: GRPOConfig, sampling: SamplingP
     return hints, metrics
 
 
+@dataclass
+class Played:
+    """One step's rollouts, scored and turned into training rows: what the update, the step's
+    metrics, the curriculum and RLoop's harvest read."""
+
+    trajs: list[Trajectory]  # the training rows: one per reply (single-turn) or per sampled turn (games)
+    row_advantages: torch.Tensor  # (rows,)
+    rewards: torch.Tensor  # (B, G): each sampled sequence's training reward
+    advantages: torch.Tensor  # (B, G), or (B, G + S K) with branch continuations
+    success: list[bool]  # (B G,): each root sequence's verdict
+    row_seq: list[int]  # (rows,): the root sequence each row belongs to
+    wins: list[list[bool]]  # (B, G), for the curriculum
+    gen_stats: GenerationStats
+    sampled_at: float  # time.perf_counter() when sampling ended (scoring counts as update time)
+    root_rows: int  # the first root_rows rows are the roots' (branch continuations' rows follow)
+    harvest: list  # what RLoop harvests: the episodes played (continuations included), or the trajectories
+    episode_metrics: dict = dataclasses.field(default_factory=dict)
+    reward_metrics: dict = dataclasses.field(default_factory=dict)
+    branches: object | None = None  # branching.Branches when rollout.branch is on
+
+
+def play_games(rollouts, seeds: list[int], cfg: GRPOConfig, sampling: SamplingParams, gen: torch.Generator, system_prompt: str | None,
+               hints: list[str] | None, reward_set: RewardSet | None, step: int, failures: deque) -> Played:
+    """A step of a multi-turn game: G episodes of each game seed form a group; the episode's
+    advantage is broadcast over every action token of every turn (+ GiGPO's step term when
+    asked), and each turn is one training row. With `rollout.branch`, K continuations from a
+    turn of each group's first episodes are played too (recursa/branching.py). The failed
+    episodes' last observations join `failures` (what the prompt gate's proposals read)."""
+    B, G = len(seeds), cfg.train.group_size
+    ero = rollouts.episodes(seeds, G, sampling, gen, system_prompt, cfg.agent, hints=hints)
+    episodes, gen_stats = ero.episodes, ero.stats
+    branches = None
+    if cfg.rollout.branch != "off":
+        branches = sample_branches(rollouts, episodes, G, sampling, gen, system_prompt, cfg.agent, cfg.rollout)
+        gen_stats = GenerationStats(*(a + b for a, b in zip(dataclasses.astuple(gen_stats), dataclasses.astuple(branches.stats))))
+    sampled_at = time.perf_counter()
+    played = episodes + (branches.episodes if branches is not None else [])  # the roots first, then the continuations
+    totals, reward_metrics = [e.total_reward for e in played], {}
+    if reward_set is not None:  # [[reward]]: each function scores the episode's action transcript at its end
+        scored = score_episodes(reward_set, episodes)  # reward/* describe the step's own episodes
+        totals, reward_metrics = scored.totals, scored.metrics
+        if branches is not None:  # a continuation's transcript is the whole game, its replayed actions included
+            totals = totals + score_episodes(reward_set, branches.episodes).totals
+    rewards = torch.tensor(totals[: B * G], dtype=torch.float32, device="cpu").view(B, G)  # (B, G)
+    check_finite(step + 1, rewards=rewards)  # an env's NaN reward is named, never trained on
+    if branches is None:
+        advantages = compute_advantages(cfg.algo.advantage, rewards)  # (B, G)
+        trajs, row_advantages, episode_metrics = episode_rows(episodes, advantages, cfg)
+    else:  # A_E over each seed's roots and continuations, + w A_B within each branch from its branch turn on
+        continued = torch.tensor(totals[B * G :], dtype=torch.float32, device="cpu").view(B, cfg.rollout.branch_sources, cfg.rollout.branch_k)  # (B, S, K)
+        check_finite(step + 1, rewards=continued)
+        estimator = functools.partial(compute_advantages, cfg.algo.advantage)
+        branch_adv, outer, terms = branched_advantages(branches, episodes, rewards, continued, estimator, cfg.rollout.branch_weight)
+        advantages = branch_adv.episode  # (B, G + S K)
+        trajs, row_advantages, episode_metrics = episode_rows(played, outer, cfg, terms)
+        episode_metrics.update(branch_metrics(branches, branch_adv))
+    failures.extend((f"{e.task} {e.turns[-1].observation}", " | ".join(t.action for t in e.turns[-3:])) for e in episodes if not e.won and e.turns)
+    return Played(
+        trajs, row_advantages, rewards, advantages,
+        success=[e.won for e in episodes],
+        row_seq=[e for e, episode in enumerate(episodes) for _ in episode.turns],  # episode.rows(): one row per turn (roots; no branches with these objectives)
+        wins=[[e.won for e in episodes[i * G : (i + 1) * G]] for i in range(B)],
+        gen_stats=gen_stats, sampled_at=sampled_at, root_rows=sum(len(e.turns) for e in episodes), harvest=played,
+        episode_metrics=episode_metrics, reward_metrics=reward_metrics, branches=branches,
+    )
+
+
+def play_replies(rollouts, seeds: list[int], cfg: GRPOConfig, sampling: SamplingParams, gen: torch.Generator, system_prompt: str | None,
+                 hints: list[str] | None, reward_set: RewardSet | None, step: int, failures: deque) -> Played:
+    """A step of a single-turn task: G replies to each prompt form a group, one training row
+    each. With [[reward]], each reply's reward is the weighted sum of the reward functions, and
+    a function's own advantage term (self-consistency's low-agreement penalty) is added to the
+    group advantage. The failed replies join `failures`."""
+    B, G = len(seeds), cfg.train.group_size
+    ro = rollouts.rollout(seeds, G, sampling, gen, system_prompt, hints=hints)
+    trajs = ro.trajectories
+    sampled_at = time.perf_counter()
+    offsets, reward_metrics = None, {}
+    if reward_set is not None:  # [[reward]]: each trajectory's reward becomes the weighted sum
+        scored = score_trajectories(reward_set, trajs)
+        reward_metrics, offsets = scored.metrics, scored.advantage_offsets
+    rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32, device="cpu").view(B, G)  # (B, G)
+    check_finite(step + 1, rewards=rewards)  # an env's NaN reward is named, never trained on
+    advantages = compute_advantages(cfg.algo.advantage, rewards)  # (B, G)
+    if offsets is not None:  # a reward's own advantage term (self_consistency's penalty for low agreement)
+        advantages = advantages + torch.tensor(offsets, dtype=torch.float32, device="cpu").view(B, G)
+    failures.extend((t.prompt_text, t.completion_text) for t in trajs if not t.success)
+    return Played(
+        trajs, advantages.view(-1), rewards, advantages,
+        success=[t.success for t in trajs],
+        row_seq=list(range(len(trajs))),
+        wins=[[t.success for t in trajs[i * G : (i + 1) * G]] for i in range(B)],
+        gen_stats=ro.stats, sampled_at=sampled_at, root_rows=len(trajs), harvest=trajs,
+        reward_metrics=reward_metrics,
+    )
+
+
 def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress | None = None, log: Callable[[str], None] = print) -> Path:
     """Run the recipe into `out` (continuing from its last checkpoint when `resume`)."""
     branching = cfg.rollout.branch != "off"
@@ -563,68 +660,20 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
         system_prompt = cfg.model.system_prompt or None
         if loop is not None:
             loop.begin(step, policy, optimizer)  # a phase's first step keeps the weights the phase will reset to
-        episode_metrics, reward_metrics, draft_metrics = {}, {}, {}
-        branches = None
+        draft_metrics = {}
         if cfg.algo.igrpo:  # iGRPO's first stage: the best of each task's drafts goes into its prompt
             hints, draft_metrics = draft_hints(rollouts, seeds, cfg, sampling, gen, system_prompt, multi_turn, reward_set, step)
-        if multi_turn:
-            # Multi-turn: the group is the G episodes of one game seed; the episode's
-            # advantage is broadcast over every action token of every turn (+ GiGPO's
-            # step term when asked). Each turn is one training row.
-            ero = rollouts.episodes(seeds, G, sampling, gen, system_prompt, cfg.agent, hints=hints)
-            episodes, gen_stats = ero.episodes, ero.stats
-            wins = [[e.won for e in episodes[i * G : (i + 1) * G]] for i in range(B)]
-            if branching:  # K continuations from a turn of each group's first episodes, replayed to it (recursa/branching.py)
-                branches = sample_branches(rollouts, episodes, G, sampling, gen, system_prompt, cfg.agent, cfg.rollout)
-                gen_stats = GenerationStats(*(a + b for a, b in zip(dataclasses.astuple(gen_stats), dataclasses.astuple(branches.stats))))
-            t1 = time.perf_counter()
-            played = episodes + (branches.episodes if branches is not None else [])  # the roots first, then the continuations
-            totals = [e.total_reward for e in played]
-            if reward_set is not None:  # [[reward]]: each function scores the episode's action transcript at its end
-                scored = score_episodes(reward_set, episodes)  # reward/* describe the step's own episodes
-                totals, reward_metrics = scored.totals, scored.metrics
-                if branches is not None:  # a continuation's transcript is the whole game, its replayed actions included
-                    totals = totals + score_episodes(reward_set, branches.episodes).totals
-            rewards = torch.tensor(totals[: B * G], dtype=torch.float32, device="cpu").view(B, G)  # (B, G)
-            check_finite(step + 1, rewards=rewards)  # an env's NaN reward is named, never trained on
-            success = [e.won for e in episodes]
-            if branches is None:
-                advantages = compute_advantages(cfg.algo.advantage, rewards)  # (B, G)
-                trajs, row_advantages, episode_metrics = episode_rows(episodes, advantages, cfg)
-            else:  # A_E over each seed's roots and continuations, + w A_B within each branch from its branch turn on
-                continued = torch.tensor(totals[B * G :], dtype=torch.float32, device="cpu").view(B, cfg.rollout.branch_sources, cfg.rollout.branch_k)  # (B, S, K)
-                check_finite(step + 1, rewards=continued)
-                estimator = functools.partial(compute_advantages, cfg.algo.advantage)
-                branch_adv, outer, terms = branched_advantages(branches, episodes, rewards, continued, estimator, cfg.rollout.branch_weight)
-                advantages = branch_adv.episode  # (B, G + S K)
-                trajs, row_advantages, episode_metrics = episode_rows(played, outer, cfg, terms)
-                episode_metrics.update(branch_metrics(branches, branch_adv))
-            row_seq = [e for e, episode in enumerate(episodes) for _ in episode.turns]  # episode.rows(): one row per turn (roots; no branches with these objectives)
-            failures.extend((f"{e.task} {e.turns[-1].observation}", " | ".join(t.action for t in e.turns[-3:])) for e in episodes if not e.won and e.turns)
-        else:
-            ro = rollouts.rollout(seeds, G, sampling, gen, system_prompt, hints=hints)
-            trajs, gen_stats = ro.trajectories, ro.stats
-            wins = [[t.success for t in trajs[i * G : (i + 1) * G]] for i in range(B)]
-            t1 = time.perf_counter()
-            offsets = None
-            if reward_set is not None:  # [[reward]]: each trajectory's reward becomes the weighted sum
-                scored = score_trajectories(reward_set, trajs)
-                reward_metrics, offsets = scored.metrics, scored.advantage_offsets
-            rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32, device="cpu").view(B, G)  # (B, G)
-            check_finite(step + 1, rewards=rewards)  # an env's NaN reward is named, never trained on
-            advantages = compute_advantages(cfg.algo.advantage, rewards)  # (B, G)
-            if offsets is not None:  # a reward's own advantage term (self_consistency's penalty for low agreement)
-                advantages = advantages + torch.tensor(offsets, dtype=torch.float32, device="cpu").view(B, G)
-            row_advantages = advantages.view(-1)
-            success = [t.success for t in trajs]
-            row_seq = list(range(len(trajs)))
-            failures.extend((t.prompt_text, t.completion_text) for t in trajs if not t.success)
+        play = play_games if multi_turn else play_replies
+        played = play(rollouts, seeds, cfg, sampling, gen, system_prompt, hints, reward_set, step, failures)
+        trajs, rewards, advantages, row_advantages = played.trajs, played.rewards, played.advantages, played.row_advantages
+        t1, branches = played.sampled_at, played.branches
         check_finite(step + 1, advantages=row_advantages)
-        harvest_metrics = loop.harvest(step + 1, played if multi_turn else trajs) if loop is not None else {}  # the step's successes, for the phase's fine-tune
+        harvest_metrics = loop.harvest(step + 1, played.harvest) if loop is not None else {}  # the step's successes, for the phase's fine-tune
         batch = collate(trajs, row_advantages, policy.tokenizer.pad_token_id, policy.device)
         outcomes = None
         if cfg.algo.objective in OUTCOME_OBJECTIVES:  # the sequence objectives read each sequence's outcome
-            outcomes = Outcomes(rewards, torch.tensor(success, dtype=torch.float32, device="cpu").view(B, G), torch.tensor(row_seq, dtype=torch.long, device="cpu"))
+            outcomes = Outcomes(rewards, torch.tensor(played.success, dtype=torch.float32, device="cpu").view(B, G),
+                                torch.tensor(played.row_seq, dtype=torch.long, device="cpu"))
         st = update(policy, optimizer, batch, cfg, gen, opt_step, learner=run.learner, outcomes=outcomes)
         check_finite(step + 1, loss=st.loss, grad_norm=st.grad_norm)
         opt_step += st.opt_steps
@@ -637,12 +686,12 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
         zero_var = (rewards.std(dim=1) == 0).float().mean()
         n_sampled = B * G + drafts + (len(branches.episodes) if branches is not None else 0)
         sampled_total += n_sampled
-        root_rows = trajs if branches is None else trajs[: sum(len(e.turns) for e in episodes)]  # the roots' rows come first
+        root_rows = trajs[: played.root_rows]  # the roots' rows come first
         metrics = {
-            **episode_metrics,
+            **played.episode_metrics,
             "reward/mean": rewards.mean().item(),
             "reward/std": rewards.std().item(),
-            **reward_metrics,
+            **played.reward_metrics,
             "reward/success_rate": sum(t.success for t in root_rows) / len(root_rows),
             "reward/zero_std_groups": zero_var.item(),
             "advantage/abs_mean": advantages.abs().mean().item(),
@@ -655,13 +704,13 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
             "time/update_s": t2 - t1,
             "time/publish_s": t2 - tp,  # part of time/update_s: the new weights reaching the rollout engine
             "time/step_s": t2 - t0,
-            "throughput/gen_tokens_per_s": gen_stats.generated_tokens / max(t1 - t0, 1e-9),
+            "throughput/gen_tokens_per_s": played.gen_stats.generated_tokens / max(t1 - t0, 1e-9),
             "throughput/tokens_per_s": (prompt_tokens + lengths.sum().item()) / max(t2 - t0, 1e-9),
             **rollouts.metrics(),
             **pool.metrics(),  # env/restarts: games that crashed or hung this step
         }
         if curriculum is not None:  # the arms' pass-rate averages and the tail table learn from this step
-            curriculum.observe(tasks, wins)
+            curriculum.observe(tasks, played.wins)
             metrics.update(curriculum.metrics())
         store.log_metrics(step + 1, metrics)
         store.log_samples(step + 1, [
