@@ -428,6 +428,13 @@ class TrainConfig(OptimConfig):
     )
     shared_prefix: bool = Field(True, description="run each distinct prompt once per micro-batch in the update (same gradient, less work)")
     skip_zero_advantage: bool = Field(True, description="skip forward/backward of rows whose advantage is 0 when there is no KL term (same gradient, less work)")
+    skip_empty_steps: bool = Field(
+        False,
+        description="an optimizer step whose every row has a zero training signal (advantage 0, no KL or imitation term: every group "
+        "won or lost alike) has a zero gradient, yet AdamW's momentum still moves the weights (about 0.7, 0.5, ... of the last "
+        "real step, as in TRL and verl); true skips such steps, leaving the weights and the optimizer state as they are "
+        "(counted as policy/skipped_steps; they do not advance the warm-up)",
+    )
 
 
 class SupervisedConfig(OptimConfig):

@@ -145,3 +145,30 @@ def test_all_zero_advantages_still_step_without_running_rows():
     batch.advantages.zero_()
     st = update(policy, torch.optim.AdamW(policy.causal_lm.parameters(), lr=1e-3), batch, _cfg(), torch.Generator().manual_seed(0), 0)
     assert st.rows_run == 0 and st.opt_steps == 1 and st.grad_norm == 0.0
+
+
+def test_an_empty_step_moves_adamw_on_momentum_unless_skipped():
+    """After one real step, a step whose every advantage is 0 has a zero gradient: by default AdamW
+    still moves every weight (by about 0.67 lr, its momentum; hand computation: m2 / (1 - b1^2) =
+    0.47 g, sqrt(v2 / (1 - b2^2)) = 0.707 |g|), and with train.skip_empty_steps the weights and the
+    optimizer state stay exactly as they were."""
+    for skip in (False, True):
+        policy = load_policy(ModelConfig(name="tiny-random"))
+        model = policy.causal_lm
+        cfg = _cfg("train.lr=1e-3", f"train.skip_empty_steps={str(skip).lower()}")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+        batch = _batch(policy)
+        first = update(policy, opt, batch, cfg, torch.Generator().manual_seed(0), 0)
+        assert first.opt_steps == 1 and first.skipped_steps == 0 and first.grad_norm > 0
+        w1 = {n: p.detach().clone() for n, p in model.named_parameters()}
+        state1 = {n: opt.state[p]["exp_avg"].clone() for n, p in model.named_parameters() if p in opt.state}
+        batch.advantages.zero_()
+        second = update(policy, opt, batch, cfg, torch.Generator().manual_seed(0), 1)
+        moved = max((p.detach() - w1[n]).abs().max().item() for n, p in model.named_parameters())
+        if skip:
+            assert second.opt_steps == 0 and second.skipped_steps == 1 and moved == 0.0
+            assert all(torch.equal(opt.state[p]["exp_avg"], state1[n]) for n, p in model.named_parameters() if p in opt.state)
+            assert all(int(opt.state[p]["step"]) == 1 for p in model.parameters() if p in opt.state)
+        else:
+            assert second.opt_steps == 1 and second.skipped_steps == 0
+            assert 0.6e-3 < moved < 0.75e-3  # ~0.67 lr on the weights whose first gradient was large against eps

@@ -91,6 +91,7 @@ class UpdateStats:
     entropy: float = 0.0
     grad_norm: float = 0.0
     opt_steps: int = 0
+    skipped_steps: int = 0  # steps with a zero gradient left out (train.skip_empty_steps)
     rows_run: int = 0  # rows forwarded (summed over epochs); fewer than rows x epochs when zero-advantage rows are skipped
     logprob_mismatch: float = float("nan")  # mean |logp_engine - logp_trainer| at the rollout's weights over action tokens (see `update`)
     tis_weight_mean: float = float("nan")  # mean truncated importance weight (rollout.tis_cap), over the tokens it weighted
@@ -303,6 +304,9 @@ def update(
                     live = live | (imitation.weights[mb_idx] != 0).any(dim=1)
                 work = mb_idx[live]
             out.rows_run += len(work)
+            if len(work) == 0 and tc.skip_empty_steps:  # a zero gradient: no AdamW step on momentum alone
+                out.skipped_steps += 1
+                continue
             mine = learner.shard(work, tc.micro_batch_size)  # this rank's run of whole micro-batches (all of them in one process)
             for lo in range(0, len(mine), tc.micro_batch_size):
                 idx = mine[lo : lo + tc.micro_batch_size]
@@ -414,6 +418,7 @@ def update_metrics(st: UpdateStats, rows: list[Trajectory], n_batch: int, cfg, o
         "batch/rows_run_frac": st.rows_run / max(n_batch * cfg.train.epochs, 1),
         "policy/grad_norm": st.grad_norm,
         "policy/lr": lr_at(cfg, opt_step - 1),
+        **({"policy/skipped_steps": st.skipped_steps} if cfg.train.skip_empty_steps else {}),
         "completion/len_mean": lengths.mean().item(),
         "completion/len_max": lengths.max().item(),
         "completion/truncated_frac": sum(t.finish_reason == "length" for t in rows) / len(rows),
