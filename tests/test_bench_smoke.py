@@ -116,3 +116,21 @@ def test_methods_demo_runs_compares_and_reuses(tmp_path):
     second = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=600)
     assert second.returncode == 0, second.stderr[-2000:]
     assert second.stdout.count("committed result") == 3 and "running" not in second.stdout
+
+
+def test_failure_modes_classifies_household_transcripts_by_hand():
+    """benchmarks/failure_modes.py: each lost game gets the first mode that fits (hand-made transcripts)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "failure_modes.py"
+    spec = importlib.util.spec_from_file_location("failure_modes", path)
+    fm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fm)
+    go = ["go to fridge 1", "open fridge 1"]
+    assert fm.classify(go + ["take mug 1 from fridge 1", "go to cabinet 1", "put mug 1 in cabinet 1"], True, "mug", "cabinet", None) == ("won", False)
+    assert fm.classify(go + ["go to cabinet 1"] * 3, False, "mug", "cabinet", None) == ("never_took", True)
+    assert fm.classify(go + ["take egg 1 from fridge 1", "go to cabinet 1"], False, "mug", "cabinet", None) == ("wrong_object", False)
+    assert fm.classify(go + ["take mug 1 from fridge 1", "go to cabinet 1"], False, "mug", "cabinet", "cool") == ("no_verb", False)
+    assert fm.classify(go + ["take mug 1 from fridge 1", "go to microwave 1", "heat mug 1 with microwave 1"], False, "mug", "cabinet", "cool") == ("other_verb", False)
+    assert fm.classify(go + ["take mug 1 from fridge 1", "go to fridge 1", "cool mug 1 with fridge 1", "go to cabinet 1"], False, "mug", "cabinet", "cool") == ("not_placed", False)
