@@ -283,6 +283,32 @@ def run_spec(name: str, seed: int, args, game: dict) -> dict:
     return {"recipe": recipe, "name": name, "seed": seed, "sets": sets, "tiny": args.tiny, "warm_start_id": warm_start_id(game), "code": CODE_VERSION}
 
 
+def add_committed_others(result: dict, args, game: dict, seeds: list[int]) -> None:
+    """Add to the summary every other committed run of the game (a pilot's tagged recipes from
+    earlier invocations) whose comparison settings are this invocation's: the same warm start,
+    code version, training steps and held-out evaluation (split, items, points). Files that
+    are not results of a finished run (e.g. a stopped run's `*_stopped.json`) are skipped."""
+    keys = ("train.steps=", "eval.n=", "eval.every=", "eval.split=")
+    mine = run_spec("grpo", seeds[0], args, game)
+    want = sorted(x for x in mine["sets"] if x.startswith(keys))
+    for path in sorted((Path(args.results) / game["slug"]).glob("*_seed*.json")):
+        name, _, seed = path.stem.rpartition("_seed")
+        if name in result["recipes"] or name == "warm_start" or not seed.isdigit() or int(seed) not in seeds:
+            continue
+        try:
+            entry = json.loads(path.read_text())
+            spec = entry["spec"]
+        except (OSError, ValueError, KeyError):
+            continue
+        if "heldout" not in entry or spec.get("code") != CODE_VERSION or spec.get("warm_start_id") != mine["warm_start_id"]:
+            continue
+        if sorted(x for x in spec["sets"] if x.startswith(keys)) != want:
+            continue
+        extra = [x for x in spec["sets"] if x not in mine["sets"]]
+        result["recipes"].setdefault(name, {"recipe": spec["recipe"], "sets": extra, "seeds": []})["seeds"].append(entry)
+        print(f"{game['env']:>10} {name:>14} seed {seed}: committed result of an earlier invocation ({path.name})", flush=True)
+
+
 def label(name: str, args) -> str:
     """A recipe's name in result files and tables: with --set, the pilot's --tag appended."""
     return name if name == "warm_start" else f"{name}{getattr(args, 'tag', '')}"
@@ -767,6 +793,7 @@ def main(argv: list[str] | None = None) -> int:
                 if entry is not None:
                     sets = recipe_spec(name, game)[1] + (args.set if name != "warm_start" else [])
                     result["recipes"].setdefault(label(name, args), {"recipe": recipe_spec(name, game)[0], "sets": sets, "seeds": []})["seeds"].append(entry)
+        add_committed_others(result, args, game, seeds)
         if not result["recipes"]:
             print(f"{game['env']}: no results yet", flush=True)
             continue

@@ -691,6 +691,15 @@ def test_benchmark_script_tiny(tmp_path):
     assert not (tmp_path / "runs").exists()
     assert json.loads((tmp_path / "out" / "toy_corridor.json").read_text())["comparisons"] == data["comparisons"]
 
+    # a later invocation for other recipes keeps the earlier ones in the summary when their
+    # comparison settings match (a pilot's tagged runs), and leaves them out when they do not
+    report = [*cmd[:4], "warm_start", *cmd[5:], "--report"]
+    assert subprocess.run(report, cwd=REPO, capture_output=True, text=True, timeout=300).returncode == 0
+    assert list(json.loads((tmp_path / "out" / "toy_corridor.json").read_text())["recipes"]) == ["warm_start", "grpo", "rsipo"]
+    other = [x if x != "2" else "3" for x in report]  # --steps 3: other runs
+    assert subprocess.run(other, cwd=REPO, capture_output=True, text=True, timeout=300).returncode == 0
+    assert list(json.loads((tmp_path / "out" / "toy_corridor.json").read_text())["recipes"]) == ["warm_start"]
+
 
 def test_benchmark_run_cut_off_resumes_where_it_stopped(tmp_path):
     """A benchmark run killed after its first checkpoint (a sitting's end) resumes from it on
