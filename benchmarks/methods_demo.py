@@ -27,11 +27,14 @@ import shutil
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+from recursa.runio import atomic_write_json, read_jsonl  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results" / "methods_demo"
 DEMO = "examples/demo.toml"
@@ -79,17 +82,8 @@ def _load(path: Path) -> dict | None:
 
 def _training_rows(run_dir: Path) -> list[dict]:
     """The run's training rows of metrics.jsonl (not its evaluation rows), numbers only."""
-    rows = []
-    path = run_dir / "metrics.jsonl"
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if "time/step_s" in rec and not any(k.startswith("eval/") for k in rec):
-                rows.append({k: v for k, v in rec.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
-    return rows
+    return [{k: v for k, v in rec.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            for rec in read_jsonl(run_dir / "metrics.jsonl") if "time/step_s" in rec and not any(k.startswith("eval/") for k in rec)]
 
 
 def run_method(name: str, args, done: dict, rerun: bool = False) -> dict:
@@ -112,7 +106,8 @@ def run_method(name: str, args, done: dict, rerun: bool = False) -> dict:
             run_method(start, args, done, rerun=not (start_dir / "checkpoints").exists())
         extra.append(f'init.from_run="{start_dir}"')
     if args.tiny:
-        extra += TINY_COMMON + (TINY_SFT if "sft" in name else TINY_RL)
+        recipe = tomllib.loads((REPO / config).read_text()).get("recipe", "grpo")
+        extra += TINY_COMMON + (TINY_SFT if recipe == "sft" else TINY_RL)
     cmd = [sys.executable, "-m", "recursa.cli", "train", config, "--out", str(run_dir), "--overwrite"]
     for s in extra:
         cmd += ["--set", s]
@@ -150,9 +145,7 @@ def run_method(name: str, args, done: dict, rerun: bool = False) -> dict:
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
     args.results.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(result, indent=1) + "\n")
-    tmp.replace(out)
+    atomic_write_json(out, result)
     print(f"{name:18s} after {result['after']['success']:.3f}  ({wall:.0f} s) -> {out}", flush=True)
     done[name] = result
     return result

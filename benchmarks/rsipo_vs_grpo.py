@@ -289,7 +289,7 @@ def add_committed_others(result: dict, args, game: dict, seeds: list[int]) -> No
     code version, training steps and held-out evaluation (split, items, points). Files that
     are not results of a finished run (e.g. a stopped run's `*_stopped.json`) are skipped."""
     keys = ("train.steps=", "eval.n=", "eval.every=", "eval.split=")
-    mine = run_spec("grpo", seeds[0], args, game)
+    mine = run_spec("grpo", seeds[0], args, game)  # any trained recipe: only its shared settings are compared
     want = sorted(x for x in mine["sets"] if x.startswith(keys))
     for path in sorted((Path(args.results) / game["slug"]).glob("*_seed*.json")):
         name, _, seed = path.stem.rpartition("_seed")

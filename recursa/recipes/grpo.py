@@ -541,7 +541,6 @@ class Played:
     advantages: torch.Tensor  # (B, G), or (B, G + S K) with branch continuations
     success: list[bool]  # (B G,): each root sequence's verdict
     row_seq: list[int]  # (rows,): the root sequence each row belongs to
-    wins: list[list[bool]]  # (B, G), for the curriculum
     gen_stats: GenerationStats
     sampled_at: float  # time.perf_counter() when sampling ended (scoring counts as update time)
     root_rows: int  # the first root_rows rows are the roots' (branch continuations' rows follow)
@@ -549,6 +548,12 @@ class Played:
     episode_metrics: dict = dataclasses.field(default_factory=dict)
     reward_metrics: dict = dataclasses.field(default_factory=dict)
     branches: object | None = None  # branching.Branches when rollout.branch is on
+
+    @property
+    def wins(self) -> list[list[bool]]:
+        """(B, G): each group's verdicts, for the curriculum."""
+        B, G = self.rewards.shape
+        return [self.success[i * G : (i + 1) * G] for i in range(B)]
 
 
 def play_games(rollouts, seeds: list[int], cfg: GRPOConfig, sampling: SamplingParams, gen: torch.Generator, system_prompt: str | None,
@@ -591,7 +596,6 @@ def play_games(rollouts, seeds: list[int], cfg: GRPOConfig, sampling: SamplingPa
         trajs, row_advantages, rewards, advantages,
         success=[e.won for e in episodes],
         row_seq=[e for e, episode in enumerate(episodes) for _ in episode.turns],  # episode.rows(): one row per turn (roots; no branches with these objectives)
-        wins=[[e.won for e in episodes[i * G : (i + 1) * G]] for i in range(B)],
         gen_stats=gen_stats, sampled_at=sampled_at, root_rows=sum(len(e.turns) for e in episodes), harvest=played,
         episode_metrics=episode_metrics, reward_metrics=reward_metrics, branches=branches,
     )
@@ -621,7 +625,6 @@ def play_replies(rollouts, seeds: list[int], cfg: GRPOConfig, sampling: Sampling
         trajs, advantages.view(-1), rewards, advantages,
         success=[t.success for t in trajs],
         row_seq=list(range(len(trajs))),
-        wins=[[t.success for t in trajs[i * G : (i + 1) * G]] for i in range(B)],
         gen_stats=ro.stats, sampled_at=sampled_at, root_rows=len(trajs), harvest=trajs,
         reward_metrics=reward_metrics,
     )
