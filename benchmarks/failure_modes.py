@@ -66,10 +66,10 @@ def analyse(eval_json: Path, env_kwargs: dict) -> dict:
     rows = []
     for item in data["items"]:
         env.reset(item["seed"])
-        goal = env._ep.goal  # the game's own goal: object kind, target receptacle kind, verb
+        goal = env.goal  # the game's own goal: object kind, target receptacle kind, verb
         actions = [a.strip() for a in str(item.get("completion", "")).split("|") if a.strip()]
-        mode, repeats = classify(actions, bool(item["success"]), goal.obj_kind, goal.rec_kind, goal.verb)
-        rows.append({"seed": item["seed"], "task_type": goal.task_type, "mode": mode, "repeats": repeats, "steps": len(actions)})
+        mode, repeats = classify(actions, bool(item["success"]), goal["obj_kind"], goal["rec_kind"], goal["verb"])
+        rows.append({"seed": item["seed"], "task_type": goal["task_type"], "mode": mode, "repeats": repeats, "steps": len(actions)})
     table = collections.defaultdict(collections.Counter)
     for r in rows:
         table[r["task_type"]][r["mode"]] += 1

@@ -316,3 +316,21 @@ def test_tasks_accepts_comma_string_and_bad_seed_is_user_error():
     assert env.tasks == ("cool_then_place", "clean_then_place")
     with pytest.raises(UserError):
         env.reset(-1)
+
+
+def test_goal_names_what_the_task_text_says():
+    env = HouseholdEnv(tasks=["pick_and_place", "cool_then_place"])
+    with pytest.raises(RuntimeError, match="reset"):
+        env.goal
+    seen = set()
+    for seed in range(40):
+        env.reset(seed)
+        g = env.goal
+        seen.add(g["task_type"])
+        assert g["task_type"] == env.task_type
+        assert g["obj_kind"] in env.task and g["rec_kind"] in env.task
+        assert g["verb"] == (None if g["task_type"] == "pick_and_place" else "cool")
+        if g["verb"]:
+            assert f"cool {g['obj_kind']}" in env.task  # "put a cool bottle on the countertop"
+            assert any(a.startswith("cool ") for a in env.walkthrough())
+    assert seen == {"pick_and_place", "cool_then_place"}

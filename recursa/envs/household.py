@@ -607,6 +607,15 @@ class HouseholdEnv:
             },
         )
 
+    @property
+    def goal(self) -> dict[str, str | None]:
+        """The current game's goal: task_type, obj_kind, rec_kind and verb (heat / cool / clean,
+        None for pick_and_place); for analyses of transcripts (benchmarks/failure_modes.py)."""
+        if self._ep is None:
+            raise RuntimeError("call reset(seed) before reading goal")
+        g = self._ep.goal
+        return {"task_type": g.task_type, "obj_kind": g.obj_kind, "rec_kind": g.rec_kind, "verb": g.verb}
+
     def admissible_actions(self) -> list[str] | None:
         """The actions valid now, sorted ([] once the episode is over)."""
         if self._ep is None:
