@@ -377,7 +377,7 @@ class AlgoConfig(_Section):
     nft_neg_clamp: float = Field(
         1.0, gt=0, le=1, description="objective 'nft': lower clamp of a failure's implicit-negative ratio (1 - r_q R) / (1 - r_q) inside the log (value only; gradient straight through)",
     )
-    apo_beta: float = Field(0.5, gt=0, description="objective 'apo': beta in (beta log(pi / pi_ref) - (r - V*))^2")
+    apo_beta: float = Field(1e-3, gt=0, description="objective 'apo': beta in (beta log(pi / pi_ref) - (r - V*))^2 (1e-3: the paper's released runs; 0.5 held the demo at 0.69)")
     apo_value_beta: float = Field(0.5, gt=0, description="objective 'apo': beta in V*(x) = beta log mean_j exp(r_j / beta) over the task group's rewards")
     igrpo: bool = Field(
         False,
