@@ -124,6 +124,12 @@ HOUSEHOLD = {
     **RL_BUDGET,
     "group_by": "task_type",  # success per task type: the warm start saw two of the four
 }
+HOUSEHOLD_LIGHT = {  # the same games from a light warm start (16 walkthroughs of all four types, one epoch): uncertain, so GRPO's groups mix
+    **HOUSEHOLD,
+    "slug": "household_light",
+    "warm_start": "runs/household_sft_light",
+    "warm_start_cmd": "recursa train examples/household_sft_light.toml",
+}
 TINY = {
     "env": "toy-corridor",
     "slug": "toy_corridor",
@@ -146,7 +152,7 @@ TINY = {
     "eval_n": 8,
     "eval_every": 2,
 }
-GAMES = {"twx:twc": TWX_TWC, "household": HOUSEHOLD}
+GAMES = {"twx:twc": TWX_TWC, "household": HOUSEHOLD, "household_light": HOUSEHOLD_LIGHT}
 
 
 def _toml_value(value) -> str:
