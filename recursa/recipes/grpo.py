@@ -228,7 +228,6 @@ def update(
     `rollout.tis_cap` they weight each token's surrogate by min(exp(logp_trainer -
     logp_engine), cap) (truncated importance sampling, `losses.truncated_is_weights`)."""
     tc, ac = cfg.train, cfg.algo
-    tis_cap = cfg.rollout.tis_cap
     sequence_objective = ac.objective in SEQUENCE_LOSSES
     if ac.objective in OUTCOME_OBJECTIVES and outcomes is None:
         raise ValueError(f"algo.objective = {ac.objective!r} reads the rollout's outcomes: pass outcomes=Outcomes(...)")
@@ -265,13 +264,11 @@ def update(
     # row's first forward does (before any optimizer step), or one scoring pass when the update
     # runs no row at all (every advantage zero)
     trainer_logp_all = logp_old_all if tc.old_logprobs == "recompute" else None
-    if trainer_logp_all is None and not sequence_objective and _runs_no_row(signal, cfg, imitation):
+    if trainer_logp_all is None and not sequence_objective and not _live_rows(signal, cfg, imitation).any():
         trainer_logp_all = _score(logprobs, model, batch, temperature, tc.micro_batch_size, tc.logit_chunk)
-    # (|logp_trainer - logp_engine| sum, its tokens, TIS weight sum, truncated, weighted tokens), read once at the end
-    engine_stats = torch.zeros(5, dtype=torch.float64, device=batch.device)
+    gap = _EngineGap(batch.device, cfg.rollout.tis_cap)
     if trainer_logp_all is not None:
-        engine_stats[0] = ((trainer_logp_all - batch.sample_logprobs).abs() * batch.action_mask).sum()
-        engine_stats[1] = batch.action_mask.sum()
+        gap.mismatch(trainer_logp_all, batch.sample_logprobs, batch.action_mask)
 
     model.train()
     out = UpdateStats()
@@ -296,13 +293,7 @@ def update(
             # surrogate is 0 whatever the ratio), so without a KL term they are not run at
             # all; they still count in the aggregation's denominators, so the gradient is
             # exactly the full batch's. Zero-variance groups are common late in training.
-            work = mb_idx
-            if tc.skip_zero_advantage and ac.kl_coef == 0:
-                live = signal[mb_idx] != 0
-                live = live.any(dim=1) if live.dim() == 2 else live
-                if imitation is not None and imitation.coef > 0:
-                    live = live | (imitation.weights[mb_idx] != 0).any(dim=1)
-                work = mb_idx[live]
+            work = mb_idx[_live_rows(signal, cfg, imitation, mb_idx)]
             out.rows_run += len(work)
             if len(work) == 0 and tc.skip_empty_steps:  # a zero gradient: no AdamW step on momentum alone
                 out.skipped_steps += 1
@@ -319,16 +310,9 @@ def update(
                 trainer_old = logp_old if tc.old_logprobs == "recompute" else (logp.detach() if out.opt_steps == 0 else None)
                 token_weights = None
                 if trainer_old is not None:
-                    logp_engine = mb.sample_logprobs[:, :L]
                     if epoch == 0 and trainer_logp_all is None:
-                        engine_stats[0] += ((trainer_old - logp_engine).abs() * mb.action_mask).sum()
-                        engine_stats[1] += mb.action_mask.sum()
-                    if tis_cap is not None:
-                        token_weights = truncated_is_weights(trainer_old, logp_engine, mb.action_mask, tis_cap)
-                        on = mb.action_mask.bool()
-                        engine_stats[2] += token_weights[on].sum()
-                        engine_stats[3] += (token_weights[on] >= tis_cap).sum()
-                        engine_stats[4] += on.sum()
+                        gap.mismatch(trainer_old, mb.sample_logprobs[:, :L], mb.action_mask)
+                    token_weights = gap.tis_weights(trainer_old, mb.sample_logprobs[:, :L], mb.action_mask)
                 inputs = MicroBatch(
                     logp, logp_old, mb.action_mask, mb.advantages, None if logp_ref_all is None else logp_ref_all[idx, :L], token_weights,
                     num_tokens=num_tokens, num_seqs=len(mb_idx), norm_len=cfg.sampling.max_new_tokens,
@@ -365,11 +349,40 @@ def update(
     for name in ("loss", "clip_frac", "kl", "approx_kl_old", "grad_norm"):
         setattr(out, name, getattr(out, name) / max(n_stats, 1))
     out.entropy = ent_sum / ent_tokens if ent_tokens else float("nan")  # over the rows run
-    mismatch_sum, mismatch_tokens, tis_sum, tis_clipped, tis_tokens = engine_stats.tolist()
-    out.logprob_mismatch = mismatch_sum / mismatch_tokens if mismatch_tokens else float("nan")
-    if tis_tokens:
-        out.tis_weight_mean, out.tis_clip_frac = tis_sum / tis_tokens, tis_clipped / tis_tokens
+    gap.report(out)
     return out
+
+
+class _EngineGap:
+    """The engine's log-probs against the trainer's at the rollout's weights: their mean absolute
+    difference (`rollout/logprob_mismatch`) and, with `rollout.tis_cap`, the truncated importance
+    weights min(exp(logp_trainer - logp_engine), cap) of each token's surrogate. The sums stay on
+    the batch's device and are read once, at the end of the update."""
+
+    def __init__(self, device: torch.device, cap: float | None):
+        self.cap = cap
+        # |logp_trainer - logp_engine| sum, its tokens, TIS weight sum, truncated tokens, weighted tokens
+        self.sums = torch.zeros(5, dtype=torch.float64, device=device)
+
+    def mismatch(self, trainer: torch.Tensor, engine: torch.Tensor, mask: torch.Tensor) -> None:
+        self.sums[0] += ((trainer - engine).abs() * mask).sum()
+        self.sums[1] += mask.sum()
+
+    def tis_weights(self, trainer: torch.Tensor, engine: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
+        if self.cap is None:
+            return None
+        weights = truncated_is_weights(trainer, engine, mask, self.cap)
+        on = mask.bool()
+        self.sums[2] += weights[on].sum()
+        self.sums[3] += (weights[on] >= self.cap).sum()
+        self.sums[4] += on.sum()
+        return weights
+
+    def report(self, out: UpdateStats) -> None:
+        mismatch_sum, mismatch_tokens, tis_sum, tis_clipped, tis_tokens = self.sums.tolist()
+        out.logprob_mismatch = mismatch_sum / mismatch_tokens if mismatch_tokens else float("nan")
+        if tis_tokens:
+            out.tis_weight_mean, out.tis_clip_frac = tis_sum / tis_tokens, tis_clipped / tis_tokens
 
 
 def _sequence_weights(policy: Policy, batch: TrainBatch, cfg: GRPOConfig, outcomes: Outcomes, logp_old_all: torch.Tensor,
@@ -392,16 +405,20 @@ def _sequence_weights(policy: Policy, batch: TrainBatch, cfg: GRPOConfig, outcom
     return value, grad[outcomes.row_seq]
 
 
-def _runs_no_row(signal: torch.Tensor, cfg: GRPOConfig, imitation: Imitation | None) -> bool:
-    """Whether `update` skips every row (a zero `signal`, the advantages for PPO-clip, no KL
-    term, no imitation weight)."""
+def _live_rows(signal: torch.Tensor, cfg: GRPOConfig, imitation: Imitation | None, idx: torch.Tensor | None = None) -> torch.Tensor:
+    """Which rows (of `idx`, default all) `update` runs, a bool (len,): those with a nonzero
+    `signal` (per row (N,) or per token (N, L); the advantages for PPO-clip) or imitation weight.
+    Every row when `train.skip_zero_advantage` is off or a KL term reads every row."""
+    n = len(signal) if idx is None else len(idx)
     if not (cfg.train.skip_zero_advantage and cfg.algo.kl_coef == 0):
-        return False
-    live = signal != 0
+        return torch.ones(n, dtype=torch.bool, device=signal.device)
+    sig = signal if idx is None else signal[idx]
+    live = sig != 0
     live = live.any(dim=1) if live.dim() == 2 else live
     if imitation is not None and imitation.coef > 0:
-        live = live | (imitation.weights != 0).any(dim=1)
-    return not bool(live.any())
+        weights = imitation.weights if idx is None else imitation.weights[idx]
+        live = live | (weights != 0).any(dim=1)
+    return live
 
 
 def update_metrics(st: UpdateStats, rows: list[Trajectory], n_batch: int, cfg, opt_step: int) -> dict:
