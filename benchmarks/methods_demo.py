@@ -193,7 +193,10 @@ def report(results_dir: Path) -> str:
             if pc:
                 own = f"+{pc['b']}/-{pc['c']}, p = {pc['p_two_sided']:.2g}"
         vs = "-"
-        if base is not None and name != BASELINE:
+        users = [m for m in METHODS if METHODS[m][2] == name]
+        if users:  # a starting point, not a method: comparing it with GRPO says nothing
+            vs = f"(the start of {', '.join(users)})"
+        elif base is not None and name != BASELINE:
             pc = _paired(base["after"], after)
             if pc:
                 dlo, dhi = pc["diff_ci95"]
