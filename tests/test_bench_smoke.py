@@ -134,3 +134,33 @@ def test_failure_modes_classifies_household_transcripts_by_hand():
     assert fm.classify(go + ["take mug 1 from fridge 1", "go to cabinet 1"], False, "mug", "cabinet", "cool") == ("no_verb", False)
     assert fm.classify(go + ["take mug 1 from fridge 1", "go to microwave 1", "heat mug 1 with microwave 1"], False, "mug", "cabinet", "cool") == ("other_verb", False)
     assert fm.classify(go + ["take mug 1 from fridge 1", "go to fridge 1", "cool mug 1 with fridge 1", "go to cabinet 1"], False, "mug", "cabinet", "cool") == ("not_placed", False)
+
+
+def test_decode_precision_gap_is_zero_for_the_same_model_and_grows_with_noise(tmp_path):
+    """benchmarks/decode_precision.py's measure: a model against itself gives KL 0 and no log-prob
+    gap; perturbing its weights gives a positive KL and gap; the script writes its table."""
+    import torch
+
+    from recursa.config import ModelConfig
+    from recursa.models import load_policy
+
+    spec = importlib.util.spec_from_file_location("decode_precision", REPO / "benchmarks" / "decode_precision.py")
+    dp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(dp)
+    policy = load_policy(ModelConfig(name="tiny-random"))
+    model = policy.causal_lm.eval()
+    batch = dict(policy.tokenizer(dp.TEXTS[:2], return_tensors="pt", padding=True))
+    with torch.no_grad():
+        ref = torch.log_softmax(model(**batch).logits.float(), dim=-1)
+    same = dp.gap(ref, model, batch)
+    assert same["kl_mean"] == pytest.approx(0.0, abs=1e-6) and same["abs_dlogp_mean"] == pytest.approx(0.0, abs=1e-6)
+    noisy = __import__("copy").deepcopy(model)
+    with torch.no_grad():
+        for p in noisy.parameters():
+            p.add_(0.5 * torch.randn_like(p))
+    moved = dp.gap(ref, noisy, batch)
+    assert moved["kl_mean"] > 1e-3 and moved["abs_dlogp_mean"] > 1e-3 and moved["kl_max"] >= moved["kl_mean"]
+    assert dp.main(["--model", "tiny-random", "--out", str(tmp_path), "--threads", "1"]) == 0
+    rows = json.loads((tmp_path / "decode_precision.json").read_text())["rows"]
+    assert {"decode_dtype = bfloat16", "decode_dtype = int8", "int8 on down_proj only"} <= set(rows)
+    assert "| decode_dtype = int8 |" in (tmp_path / "decode_precision.md").read_text()
