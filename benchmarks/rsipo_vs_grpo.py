@@ -124,7 +124,7 @@ HOUSEHOLD = {
     **RL_BUDGET,
     "group_by": "task_type",  # success per task type: the warm start saw two of the four
 }
-HOUSEHOLD_LIGHT = {  # the same games from a light warm start (16 walkthroughs of all four types, one epoch): uncertain, so GRPO's groups mix
+HOUSEHOLD_LIGHT = {  # the same games from a light warm start (32 walkthroughs of all four types, 2 epochs; 10/50 on the dev split)
     **HOUSEHOLD,
     "slug": "household_light",
     "warm_start": "runs/household_sft_light",
