@@ -74,6 +74,11 @@ def settings(name: str, tiny: bool) -> dict:
     return spec
 
 
+def started_from(name: str) -> list[str]:
+    """The methods whose runs start from `name`'s weights (empty for a method no run starts from)."""
+    return [m for m in METHODS if METHODS[m][2] == name]
+
+
 def _load(path: Path) -> dict | None:
     try:
         return json.loads(path.read_text())
@@ -193,7 +198,7 @@ def report(results_dir: Path) -> str:
             if pc:
                 own = f"+{pc['b']}/-{pc['c']}, p = {pc['p_two_sided']:.2g}"
         vs = "-"
-        users = [m for m in METHODS if METHODS[m][2] == name]
+        users = started_from(name)
         if users:  # a starting point, not a method: comparing it with GRPO says nothing
             vs = f"(the start of {', '.join(users)})"
         elif base is not None and name != BASELINE:
@@ -223,12 +228,11 @@ def main(argv=None) -> int:
         raise SystemExit(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
     if not args.report:
         done: dict = {}
-        needed_as_start = {METHODS[m][2] for m in METHODS if METHODS[m][2]}
         for name in names:
             run_method(name, args, done)
         if not args.keep_runs:
             for name in done:
-                if name not in needed_as_start:
+                if not started_from(name):  # a start's weights are what its users train from
                     shutil.rmtree(args.runs_dir / name / "checkpoints", ignore_errors=True)
     args.results.mkdir(parents=True, exist_ok=True)
     table = report(args.results)
