@@ -17,6 +17,15 @@ torch.set_num_threads(2)
 os.environ.setdefault("RECURSA_DEVICE", "cpu")
 
 
+@pytest.fixture(autouse=True)
+def _torch_threads():
+    """Every test starts at the suite's 2 threads: a recipe run sets torch's thread count to its
+    run.threads and leaves it there, and results that are exact at one count need not be at
+    another (tests/test_ddp.py)."""
+    torch.set_num_threads(2)
+    yield
+
+
 class DigitsEnv:
     """Toy task for learning tests: the reward is the fraction of the reply's characters
     that are digits. A random tiny model starts near 2% and can be pushed far higher."""

@@ -171,7 +171,14 @@ def test_two_gloo_processes_give_the_one_process_gradient_and_weights(two_proces
     got = two_processes[name]
     cfg, policy, _, extra, exact = _setup(name)
     policy.model.load_state_dict(got["initial"])
-    stats = _run_update(policy, _optimizer(policy, cfg, exact), got["batch"], cfg, extra)
+    # The one-process update at the thread count the ranks' learner runs at (cfg.run.threads):
+    # a float reduction's order depends on it, and an earlier test may have left another.
+    before = torch.get_num_threads()
+    torch.set_num_threads(cfg.run.threads)
+    try:
+        stats = _run_update(policy, _optimizer(policy, cfg, exact), got["batch"], cfg, extra)
+    finally:
+        torch.set_num_threads(before)
     tol = dict(rtol=0, atol=0) if exact else dict(rtol=RTOL, atol=ATOL)
     grads = {n: p.grad for n, p in policy.model.named_parameters() if p.grad is not None}
     assert grads.keys() == got["grads"].keys() and grads
