@@ -19,6 +19,8 @@ Paths, all through `recursa.rollout.rollout_episodes` on the native engine:
 * `continuous-bf16`: the same with `rollout.decode_dtype = "bfloat16"` (a bfloat16 sampling
   copy; its log-probs differ from the float32 trainer's: `mismatch` is the mean
   |logp_sampler - logp_trainer| over the sampled tokens, the run's `rollout/logprob_mismatch`);
+* `continuous-serial`: `continuous` with each prompt prefilled in a forward of its own (the
+  batcher before batched prefill; an ablation);
 * `continuous-int8`, `current-bf16`: further combinations (not in the default list).
 
 Every repeat plays the task seeds of the next step on every path, one path after the other,
@@ -64,6 +66,7 @@ GAMES = {  # game -> (example config, warm-start flag)
 PATHS = {  # path -> engine options
     "current": dict(),
     "continuous": dict(continuous=True),
+    "continuous-serial": dict(continuous=True, prefill_rows=1),
     "continuous-bf16": dict(continuous=True, decode_dtype="bfloat16"),
     "continuous-int8": dict(continuous=True, decode_dtype="int8"),
     "current-bf16": dict(decode_dtype="bfloat16"),

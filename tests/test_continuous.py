@@ -93,6 +93,41 @@ def test_every_request_samples_what_it_samples_alone(tiny_policy):
         assert together[i].token_ids == ref.token_ids
 
 
+def test_requests_admitted_together_prefill_in_one_padded_forward(tiny_policy):
+    """Five prompts sharing the chat template and system prompt (20 tokens), five free rows.
+    Wave 1: "go" and the long prompt together (27 and 50 tokens, padded to 50; the long one
+    shares less than half of its own with "go", so it does not wait); the second "go" and the
+    other two would share at least half of what they compute with "go" and wait. Wave 2: the
+    second "go" entirely from the cache, "x y z" and "north" on the cached 20 tokens in one
+    forward. 2 prefill forwards, and every request samples what it samples alone."""
+    from recursa.engines.continuous import BatcherTimes
+
+    tok = tiny_policy.tokenizer
+    prompts = [render_prompt(tok, t, "You are a helpful assistant.") for t in ["go", "a longer prompt about keys and doors", "go", "x y z", "north"]]
+    params = SamplingParams(max_new_tokens=5, temperature=1.0)
+
+    def run(indices, rows, prefill_rows=None):
+        times, stats = BatcherTimes(), GenerationStats()
+        b = ContinuousBatcher(tiny_policy.causal_lm, tok, params, max_rows=rows, times=times, stats=stats, prefill_rows=prefill_rows)
+        for i in indices:
+            b.submit(i, prompts[i], torch.Generator().manual_seed(7 + i))
+        out = {}
+        while b.busy:
+            out.update(dict(b.step()))
+        return out, times, stats
+
+    together, times, stats = run(range(5), 5)
+    assert times.prefill_calls == 2
+    alone = [run([i], 1) for i in range(5)]
+    assert stats.prefill_tokens + stats.prefix_reused_tokens == sum(len(p) - 1 for p in prompts)
+    assert stats.prefill_tokens < sum(a[2].prefill_tokens for a in alone)
+    for i in range(5):
+        assert together[i].token_ids == alone[i][0][i].token_ids
+        torch.testing.assert_close(torch.tensor(together[i].logprobs), torch.tensor(alone[i][0][i].logprobs), atol=1e-5, rtol=0)
+    serial, times1, _ = run(range(5), 5, prefill_rows=1)  # one prompt per forward: "go", the long one, "x y z", "north"
+    assert times1.prefill_calls == 4 and all(serial[i].token_ids == together[i].token_ids for i in range(5))
+
+
 def test_prefix_reuse_gives_the_logits_of_a_full_prefill(tiny_policy):
     """Greedy continuations with the prefix cache equal those without it; the sampler's log-probs
     equal the trainer's own (a full forward) to float rounding."""

@@ -71,11 +71,13 @@ class NativeEngine:
 
     name = "native"
 
-    def __init__(self, policy: Policy, decode_dtype: str = "model", continuous: bool = False, max_rows: int = 32, prefix_cache_mb: int = 256):
+    def __init__(self, policy: Policy, decode_dtype: str = "model", continuous: bool = False, max_rows: int = 32, prefix_cache_mb: int = 256,
+                 prefill_rows: int | None = None):
         if decode_dtype not in ("model", "bfloat16", "int8"):
             raise ValueError(f"decode_dtype must be 'model', 'bfloat16' or 'int8', got {decode_dtype!r}")
         self.policy = policy
         self.decode_dtype, self.continuous, self.max_rows, self.prefix_cache_mb = decode_dtype, continuous, max_rows, prefix_cache_mb
+        self.prefill_rows = prefill_rows  # the batcher's prompts per prefill forward (None: max_rows; 1: one at a time)
         self._copy = low_precision_copy(policy, decode_dtype) if decode_dtype != "model" else None
 
     @property
@@ -91,7 +93,7 @@ class NativeEngine:
         from recursa.engines.continuous import ContinuousBatcher
 
         return ContinuousBatcher(self.module, self.policy.tokenizer, params, max_rows=self.max_rows,
-                                 prefix_cache_bytes=self.prefix_cache_mb << 20, stats=stats, times=times)
+                                 prefix_cache_bytes=self.prefix_cache_mb << 20, stats=stats, times=times, prefill_rows=self.prefill_rows)
 
     def load_weights(self, policy: Policy) -> None:
         if policy is not self.policy:  # a recipe swaps policies only by loading weights into the same one

@@ -16,10 +16,15 @@ schedules per decode step instead (iteration-level scheduling, as vLLM and Orca 
   number of generated tokens and prompts, not the slowest row of every turn.
 * **Prefix reuse.** `PrefixCache` keeps the KV of prompts prefilled earlier in the same
   rollout (least recently used first out, within `budget_bytes`). A new prompt takes the
-  longest prefix it shares with any of them and prefills only the rest. Rows hold no
-  padding: a row's tokens sit at columns 0..L-1 with positions 0..L-1, so a reused prefix's
-  keys are the ones a full prefill would compute (to float rounding: the matmuls have other
-  shapes). The cache lives for one rollout call, i.e. one version of the weights.
+  longest prefix it shares with any of them and prefills only the rest. A row's tokens sit
+  at columns 0..L-1 with positions 0..L-1, so a reused prefix's keys are the ones a full
+  prefill would compute (to float rounding: the matmuls have other shapes). The cache lives
+  for one rollout call, i.e. one version of the weights.
+* **Batched prefill.** The requests admitted together (a wave) compute their uncached parts
+  in one forward, straight into their slots, each row padded at its end to the wave's
+  longest part (the padding's columns are masked and then overwritten by the row's own
+  tokens). A request that would share at least half of what it computes with another of the
+  wave (the G identical first prompts of a group) waits for the next wave and reuses it.
 * **The last prompt token** is not prefilled: it is the row's first decode input, so a
   prompt that was seen before in full costs one decode row, and every step is one forward
   of all busy rows.
@@ -55,22 +60,6 @@ def _kv_shape(config) -> tuple[int, int, int]:
     return config.num_hidden_layers, kv_heads, head_dim
 
 
-class _PrefixKV:
-    """The cache object of one prefill: the reused prefix's keys/values (or none), extended by
-    the forward's own (one concatenation per layer per prefill, not per token)."""
-
-    def __init__(self, prefix: list[tuple[torch.Tensor, torch.Tensor]] | None, n_layers: int):
-        self.layers = list(prefix) if prefix else [None] * n_layers
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        old = self.layers[layer_idx]
-        if old is not None:
-            key_states = torch.cat([old[0], key_states], dim=2)
-            value_states = torch.cat([old[1], value_states], dim=2)
-        self.layers[layer_idx] = (key_states, value_states)
-        return key_states, value_states
-
-
 class SlotKV:
     """Static KV buffer of the decoding rows: per layer (rows, kv_heads, capacity, head_dim)
     keys and values. Slot r holds its row's tokens at columns 0..len-1; a decode step writes
@@ -85,6 +74,7 @@ class SlotKV:
         self.n = 0  # rows in the current step (slots 0..n-1)
         self.width = 0
         self._rows = self._pos = None
+        self._first = 0  # a prefill forward's first slot (its rows are first..first+n-1)
 
     @property
     def capacity(self) -> int:
@@ -115,17 +105,25 @@ class SlotKV:
 
     def begin_step(self, positions: torch.Tensor) -> None:
         """The next forward writes row r (r < len(positions)) at column positions[r]."""
-        self.n = int(positions.shape[0])
-        self.width = int(positions.max()) + 1
+        self.begin_prefill(0, positions, 1)
+
+    def begin_prefill(self, first: int, starts: torch.Tensor, length: int) -> None:
+        """The next forward feeds `length` tokens to each of slots first..first+n-1 (n =
+        len(starts)) and writes slot first+r's at columns starts[r]..starts[r]+length-1. A row
+        with fewer real tokens writes padding past its end; those columns are masked out and
+        overwritten by the row's next tokens."""
+        self.n, self._first = int(starts.shape[0]), first
+        self.width = int(starts.max()) + length
         self.grow(self.width)
-        self._rows = torch.arange(self.n, device=positions.device)
-        self._pos = positions
+        self._rows = torch.arange(first, first + self.n, device=starts.device)[:, None]  # (n, 1)
+        self._pos = starts[:, None] + torch.arange(length, device=starts.device)  # (n, length)
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         k_buf, v_buf = self.keys[layer_idx], self.values[layer_idx]
-        k_buf[self._rows, :, self._pos] = key_states[:, :, 0]  # (n, kv_heads, head_dim)
-        v_buf[self._rows, :, self._pos] = value_states[:, :, 0]
-        return k_buf[: self.n, :, : self.width], v_buf[: self.n, :, : self.width]
+        k_buf[self._rows, :, self._pos] = key_states.transpose(1, 2)  # (n, length, kv_heads, head_dim)
+        v_buf[self._rows, :, self._pos] = value_states.transpose(1, 2)
+        rows = slice(self._first, self._first + self.n)
+        return k_buf[rows, :, : self.width], v_buf[rows, :, : self.width]
 
 
 @dataclass
@@ -188,7 +186,7 @@ class BatcherTimes:
     prefill_s: float = 0.0  # prefix lookup + prefill forwards + copying into slots
     decode_s: float = 0.0  # decode forwards (all busy rows, one token each) incl. the vocabulary projection
     sample_s: float = 0.0  # uniforms, sampling, stop checks
-    prefill_calls: int = 0
+    prefill_calls: int = 0  # prefill forwards: one per admitted wave with anything to compute
     decode_steps: int = 0
 
 
@@ -204,7 +202,9 @@ class ContinuousBatcher:
 
     `generator` is the request's own CPU generator (None: torch's default one; unused when
     greedy). `front=True` puts a request ahead of the waiting ones (an episode's next turn
-    keeps its slot instead of queueing behind episodes not yet started).
+    keeps its slot instead of queueing behind episodes not yet started). `prefill_rows`: at most
+    that many requests' prompts per prefill forward (default `max_rows`; 1 computes each
+    prompt in a forward of its own, the batcher before batched prefill).
     """
 
     def __init__(
@@ -217,11 +217,15 @@ class ContinuousBatcher:
         eos_ids: set[int] | None = None,
         stats: GenerationStats | None = None,
         times: BatcherTimes | None = None,
+        prefill_rows: int | None = None,
     ):
         from recursa.generation import _eos_ids
 
         if max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+        if prefill_rows is not None and prefill_rows < 1:
+            raise ValueError(f"prefill_rows must be >= 1, got {prefill_rows}")
+        self.prefill_rows = prefill_rows or max_rows  # requests computed per prefill forward (1: one at a time)
         self.lm, self.tok, self.params = causal_lm, tokenizer, params
         self.base, self.head = causal_lm.get_decoder(), causal_lm.get_output_embeddings()
         self.cache_kw = _cache_kwarg(self.base)
@@ -254,49 +258,75 @@ class ContinuousBatcher:
         (self.waiting.appendleft if front else self.waiting.append)(req)
 
     # ------------------------------------------------------------------ prefill
-    def _prefill(self, ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-        """Keys/values of `ids` (all but a prompt's last token), reusing the longest cached prefix."""
-        if not ids:
-            return None
-        host = torch.tensor(ids, dtype=torch.long)
-        reuse, entry = 0, None
-        if self.prefix is not None:
-            entry, reuse = self.prefix.longest(host)
-        if reuse == len(ids):  # seen in full: nothing to compute
-            self.stats.prefix_reused_tokens += reuse
-            return [(k[:, :, :reuse], v[:, :, :reuse]) for k, v in entry.kv]
-        past = [(k[:, :, :reuse], v[:, :, :reuse]) for k, v in entry.kv] if reuse else None
-        cache = _PrefixKV(past, self.n_layers)
-        new = host[reuse:].to(self.device)[None]  # (1, S)
-        s = new.shape[1]
-        positions = torch.arange(reuse, reuse + s, device=self.device)[None]
-        mask = (torch.arange(reuse + s, device=self.device)[None, :] <= positions[0][:, None])[None, None]  # (1, 1, S, reuse + S) causal
-        self.base(input_ids=new, attention_mask=mask, position_ids=positions, use_cache=True, **{self.cache_kw: cache})
-        self.stats.prefill_tokens += s
-        self.stats.prefix_reused_tokens += reuse
-        kv = cache.layers
-        if self.prefix is not None:
-            self.prefix.add(host, kv)
-        return kv
+    def _plan(self, req: _Request, wave: list[tuple[_Request, torch.Tensor, _Entry | None, int]]):
+        """(host ids, cache entry, reused length) of a request's prompt without its last token,
+        or None when it should wait for the current wave: a request of the wave that will be
+        computed shares at least half of what this one would compute (the G first prompts of
+        a group, two episodes that saw the same turn), so the next wave reuses it instead."""
+        host = torch.tensor(req.prompt[:-1], dtype=torch.long)
+        entry, reuse = self.prefix.longest(host) if self.prefix is not None and len(host) else (None, 0)
+        todo = len(host) - reuse
+        if todo > 0 and self.prefix is not None:
+            for _, other, _, _ in wave:
+                m = min(len(other), len(host))
+                diff = (other[:m] != host[:m]).nonzero()
+                common = m if len(diff) == 0 else int(diff[0])
+                if common - reuse >= max(1, (todo + 1) // 2):
+                    return None
+        return host, entry, reuse
 
     def _admit(self) -> None:
-        """Prefill waiting requests into free slots."""
+        """Prefill waiting requests into free slots: each wave of admitted requests computes the
+        parts of their prompts not in the prefix cache in one forward (rows padded to the
+        longest part), straight into their slots."""
         while self.waiting and len(self.rows) < self.max_rows:
-            req = self.waiting.popleft()
             t = time.perf_counter()
-            kv = self._prefill(req.prompt[:-1])
-            length = len(req.prompt) - 1
+            wave, ready, later = [], [], []
+            while self.waiting and len(self.rows) + len(wave) + len(ready) < self.max_rows:
+                req = self.waiting.popleft()
+                plan = self._plan(req, wave)
+                if plan is None:
+                    later.append(req)
+                elif len(plan[0]) > plan[2]:
+                    (wave.append((req, *plan)) if len(wave) < self.prefill_rows else later.append(req))
+                else:
+                    ready.append((req, *plan))
+            self.waiting.extendleft(reversed(later))
+            if not wave and not ready:
+                return
+            longest = max(len(r.prompt) for r, *_ in wave + ready)
             if self.slots is None:
-                cap = max(64, length + self.params.max_new_tokens + 1)
-                self.slots = SlotKV(self.lm.config, self.max_rows, cap, self.dtype, self.device)
-            slot = len(self.rows)
-            if kv is not None:
-                self.slots.place(slot, kv, length)
-            self.rows.append(req)
-            self.pos.append(length)
-            self.feed.append(req.prompt[-1])
+                self.slots = SlotKV(self.lm.config, self.max_rows, max(64, longest + self.params.max_new_tokens), self.dtype, self.device)
+            first = len(self.rows)
+            for slot, (req, host, entry, reuse) in enumerate(wave + ready, start=first):
+                if reuse:
+                    self.slots.place(slot, entry.kv, reuse)
+                self.stats.prefix_reused_tokens += reuse
+                self.rows.append(req)
+                self.pos.append(len(req.prompt) - 1)
+                self.feed.append(req.prompt[-1])
+            if wave:
+                self._prefill(first, wave)
             self.times.prefill_s += time.perf_counter() - t
-            self.times.prefill_calls += 1
+            self.times.prefill_calls += 1 if wave else 0
+
+    def _prefill(self, first: int, wave: list[tuple[_Request, torch.Tensor, _Entry | None, int]]) -> None:
+        """One forward of the wave's uncached prompt tokens into slots first..first+len(wave)-1."""
+        starts = torch.tensor([reuse for *_, reuse in wave], device=self.device)
+        todo = [host[reuse:] for _, host, _, reuse in wave]
+        s = max(len(x) for x in todo)
+        ids = torch.zeros((len(wave), s), dtype=torch.long)
+        for r, x in enumerate(todo):
+            ids[r, : len(x)] = x
+        positions = starts[:, None] + torch.arange(s, device=self.device)  # (n, s)
+        self.slots.begin_prefill(first, starts, s)
+        mask = (torch.arange(self.slots.width, device=self.device)[None, None, :] <= positions[:, :, None])[:, None]  # (n, 1, s, W) causal
+        self.base(input_ids=ids.to(self.device), attention_mask=mask, position_ids=positions, use_cache=True, **{self.cache_kw: self.slots})
+        self.stats.prefill_tokens += sum(len(x) for x in todo)
+        if self.prefix is not None:
+            for slot, (_, host, _, _) in enumerate(wave, start=first):
+                n = len(host)
+                self.prefix.add(host, [(k[slot : slot + 1, :, :n].clone(), v[slot : slot + 1, :, :n].clone()) for k, v in zip(self.slots.keys, self.slots.values)])
 
     # ------------------------------------------------------------------ one step
     @torch.no_grad()
