@@ -11,6 +11,7 @@ the run's `episodes/sampled` metric; GRPO samples B x G per step).
     python benchmarks/rsipo_vs_grpo.py --games twx:twc --recipes grpo --seeds 0      # one piece of it
     python benchmarks/rsipo_vs_grpo.py --report                        # tables and plots from committed results alone
     python benchmarks/rsipo_vs_grpo.py --games household --recipes warm_start,grpo,rloop   # RLoop, a GRPO option (examples/rloop_household.toml)
+    python benchmarks/rsipo_vs_grpo.py --games household_light --recipes rft      # expert iteration at GRPO's episodes (examples/household_light_rft.toml)
     python benchmarks/rsipo_vs_grpo.py --games twx:twc --split gate --recipes grpo --seeds 0 --steps 8   # a pilot on the dev fold
     python benchmarks/rsipo_vs_grpo.py --tiny --out /tmp/bench         # tiny random model on toy-corridor: checks the script
 
@@ -71,6 +72,11 @@ BASE_RECIPES = ("warm_start", "grpo", "rsipo")
 # GRPO options run as entries of their own: name -> (example config, the section of it whose keys
 # switch the option on; the example is the single source of truth for the option's settings).
 GRPO_OPTIONS = {"rloop": ("rloop_household.toml", "rloop")}
+# Expert iteration (the `rft` recipe) as an entry: its [rft] and [train] settings come from this
+# example; its rounds are set so it samples the episodes GRPO samples in the run's steps.
+RFT_EXAMPLE = "household_light_rft.toml"
+# Settings of the games that the rft recipe does not have (it samples tasks_per_round x rft.group_size).
+GRPO_ONLY = ("algo.", "train.prompts_per_step=", "train.group_size=", "train.steps=")
 # Part of every run's settings: bump it when a change to recursa alters what an existing
 # configuration does (a new switch does not: its --set is part of the settings), so that
 # committed results of the old behaviour are rerun rather than reused.
@@ -183,10 +189,37 @@ def option_sets(name: str) -> list[str]:
     return [f"{section}.{key}={_toml_value(value)}" for key, value in data[section].items()]
 
 
+def rft_sets() -> list[str]:
+    """The rft entry's settings: every key of its example's [rft] and [train] sections."""
+    data = tomllib.loads((REPO / "examples" / RFT_EXAMPLE).read_text())
+    return [f"{section}.{key}={_toml_value(value)}" for section in ("rft", "train") for key, value in data[section].items()]
+
+
+def _last(sets: list[str], key: str) -> str | None:
+    """The value a list of --set overrides gives `key` (the last one wins), or None."""
+    return next((s.split("=", 1)[1] for s in reversed(sets) if s.startswith(key + "=")), None)
+
+
+def rft_run_sets(sets: list[str]) -> list[str]:
+    """An rft run's overrides from its spec's: the GRPO-only settings dropped, `train.steps`
+    turned into the rounds that sample as many episodes (steps x B x G = rounds x
+    tasks_per_round x rft.group_size) and `eval.every` into rounds at the same episodes."""
+    steps, every = int(_last(sets, "train.steps")), int(_last(sets, "eval.every") or 0)
+    per_step = int(_last(sets, "train.prompts_per_step")) * int(_last(sets, "train.group_size"))
+    per_round = int(_last(sets, "rft.tasks_per_round")) * int(_last(sets, "rft.group_size"))
+    if (steps * per_step) % per_round or (every * per_step) % per_round:
+        raise SystemExit(f"rft: {steps} steps (evaluations every {every}) x {per_step} episodes is not a whole number of "
+                         f"{per_round}-episode rounds; choose --steps / --eval-every to fit")
+    kept = [s for s in sets if not s.startswith(GRPO_ONLY + ("eval.every=",))]
+    return [*kept, f"rft.rounds={steps * per_step // per_round}", f"eval.every={every * per_step // per_round}"]
+
+
 def recipe_spec(name: str, game: dict) -> tuple[str, list[str]]:
     """(recipe, --set overrides) of a benchmark entry."""
     if name in ("grpo", "warm_start"):
         return "grpo", []
+    if name == "rft":
+        return "rft", rft_sets()
     if name == "rsipo":
         return "rsipo", list(game["rsipo"])
     if name in GRPO_OPTIONS:
@@ -194,7 +227,7 @@ def recipe_spec(name: str, game: dict) -> tuple[str, list[str]]:
     if name in ABLATIONS:
         sets = ablation_sets(name)
         return "rsipo", (list(game["rsipo"]) if "skills.enabled=false" not in sets else []) + sets
-    raise SystemExit(f"unknown recipe {name!r}; choose from {', '.join(BASE_RECIPES)}, {', '.join(GRPO_OPTIONS)}, {', '.join(ABLATIONS)} (or all)")
+    raise SystemExit(f"unknown recipe {name!r}; choose from {', '.join(BASE_RECIPES)}, rft, {', '.join(GRPO_OPTIONS)}, {', '.join(ABLATIONS)} (or all)")
 
 
 def setting_value(game: dict, key: str) -> int:
@@ -266,7 +299,8 @@ def worker(spec: dict) -> None:
 
     from recursa.config import load_config
 
-    cfg = load_config(None, [*spec["sets"], *spec.get("resume_sets", [])], recipe=spec["recipe"])
+    sets = rft_run_sets(spec["sets"]) if spec["recipe"] == "rft" else spec["sets"]
+    cfg = load_config(None, [*sets, *spec.get("resume_sets", [])], recipe=spec["recipe"])
     train = importlib.import_module(f"recursa.recipes.{spec['recipe']}").train
     train(cfg, Path(spec["out"]), resume=bool(spec.get("resume")), log=lambda m: print(m, flush=True))
 
@@ -337,20 +371,25 @@ def read_run(out: Path, spec: dict, game: dict) -> dict:
     rows = [r for r in load_metrics(out / "metrics.jsonl") if isinstance(r.get("step"), int)]
     B, G = setting_value(game, "train.prompts_per_step"), setting_value(game, "train.group_size")
     per_step: dict[int, float] = {}
-    for r in rows:  # a step's sampled episodes: the recipe's own count, else B x G (GRPO)
-        if "reward/mean" in r or "episodes/sampled" in r:
+    total = 0.0
+    for r in sorted(rows, key=lambda r: r["step"]):  # a step's sampled episodes: the recipe's own count, else B x G (GRPO)
+        if "budget/episodes" in r and "episodes/sampled" not in r:  # rft logs the running total per round (B-STaR's probes included)
+            per_step[r["step"]], total = float(r["budget/episodes"]) - total, float(r["budget/episodes"])
+        elif "reward/mean" in r or "episodes/sampled" in r:
             per_step[r["step"]] = float(r.get("episodes/sampled", per_step.get(r["step"], B * G)))
 
-    def episodes_before(done: int) -> int:  # training metrics of step k are logged as step k + 1
-        return int(sum(v for s, v in per_step.items() if s <= done))
-
     steps = next(int(s.split("=", 1)[1]) for s in spec["sets"] if s.startswith("train.steps="))
+    # rft's steps are rounds: an evaluation after round k is shown at the GRPO step of equal episodes
+    scale = steps / int(_last(rft_run_sets(spec["sets"]), "rft.rounds")) if spec["recipe"] == "rft" else 1
+
+    def episodes_before(done: int) -> int:  # training metrics of step k are logged as step k + 1
+        return int(sum(v for s, v in per_step.items() if s * scale <= done))
     curve = []
     for path in (out / "eval").glob("*.json"):
         if not (path.stem in ("before", "after") or path.stem.startswith("step_")):
             continue  # e.g. after_skills.json: the same weights with the skill library (read as diagnostics)
         data = json.loads(path.read_text())
-        at = 0 if path.stem == "before" else steps if path.stem == "after" else int(path.stem.split("_")[1])
+        at = 0 if path.stem == "before" else steps if path.stem == "after" else round(int(path.stem.split("_")[1]) * scale)
         curve.append({"step": at, "label": path.stem, "episodes": episodes_before(at), "success_rate": data["success_rate"],
                       "items": _items(data, keep_completion=path.stem == "after")})
     curve.sort(key=lambda p: (p["step"], p["label"] != "before"))
@@ -461,7 +500,7 @@ def run_one(name: str, seed: int, args, game: dict) -> dict | None:
 # what the recipe did in a run: step means of these metrics (non-finite steps skipped), and of
 # every metric under these prefixes
 DIAGNOSTICS = ("reward/mean", "episodes/sampled")
-DIAGNOSTIC_PREFIXES = ("teacher/", "trust/", "skills/", "route/", "hint/", "rollout/", "rloop/")
+DIAGNOSTIC_PREFIXES = ("teacher/", "trust/", "skills/", "route/", "hint/", "rollout/", "rloop/", "rft/", "curriculum/", "branch/")
 
 
 def diagnostics(rows: list[dict], run_dir: Path) -> dict:
@@ -731,7 +770,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--games", default="twx:twc", help=f"comma-separated: {', '.join(GAMES)}")
     p.add_argument("--tiny", action="store_true", help="tiny random model on toy-corridor (checks the script; seconds per run)")
-    p.add_argument("--recipes", default=",".join(BASE_RECIPES), help=f"comma-separated: {', '.join(BASE_RECIPES)}, GRPO options {', '.join(GRPO_OPTIONS)}, RSIPO ablations {', '.join(ABLATIONS)}, or all (the base recipes and every ablation)")
+    p.add_argument("--recipes", default=",".join(BASE_RECIPES), help=f"comma-separated: {', '.join(BASE_RECIPES)}, rft (expert iteration at equal episodes), GRPO options {', '.join(GRPO_OPTIONS)}, RSIPO ablations {', '.join(ABLATIONS)}, or all (the base recipes and every ablation)")
     p.add_argument("--seeds", default="0,1,2", help="training seeds (at least 3)")
     p.add_argument("--steps", type=int, help="training steps per run (default: the game's)")
     p.add_argument("--eval-n", type=int, help="held-out games per evaluation (default: the game's)")

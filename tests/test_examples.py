@@ -94,3 +94,19 @@ def test_the_loop_examples_run_a_step_on_the_tiny_model(tmp_path, monkeypatch, n
     expected = {"gopo_demo": "advantage/abs_mean", "rloop_household": "rloop/sft_rows", "skills_gate_household": "skills/gate_p_value",
                 "gate_prompt_twx": "prompt/proposals"}[name]
     assert expected in keys, sorted(keys)
+
+
+def test_the_benchmark_runs_expert_iteration_at_grpos_episodes():
+    """The rft entry: 8 GRPO steps of 4 x 8 episodes (256) are 4 rounds of 16 tasks x 4; an
+    evaluation every 4 steps (128 episodes) is one every 2 rounds; the GRPO-only keys go."""
+    bench = _bench()
+    recipe, extra = bench.recipe_spec("rft", bench.HOUSEHOLD_LIGHT)
+    assert recipe == "rft" and "rft.tasks_per_round=16" in extra and "rft.group_size=4" in extra
+    sets = [*bench.HOUSEHOLD_LIGHT["sets"], *extra, "train.steps=8", "eval.every=4", "eval.n=50"]
+    got = bench.rft_run_sets(sets)
+    assert bench._last(got, "rft.rounds") == "4" and bench._last(got, "eval.every") == "2"
+    assert not any(s.startswith(("algo.", "train.prompts_per_step=", "train.group_size=", "train.steps=")) for s in got)
+    cfg = load_config(None, got, recipe="rft")
+    assert (cfg.rft.rounds, cfg.eval.every, cfg.rft.tasks_per_round * cfg.rft.group_size, cfg.eval.n) == (4, 2, 64, 50)
+    with pytest.raises(SystemExit, match="whole number"):
+        bench.rft_run_sets([*sets, "train.steps=3"])  # 96 episodes are not whole 64-episode rounds
