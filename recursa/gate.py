@@ -605,21 +605,24 @@ def sample_size_for_gain(
 # ------------------------------------------------------------------------ fresh gate items
 
 
-def fresh_gate_seeds(round_index: int, n: int, used: set[int]) -> list[int]:
+def fresh_gate_seeds(round_index: int, n: int, used: set[int], start: int = 0) -> list[int]:
     """n gate-split seeds for round ``round_index`` (0-based), none of them in ``used``.
 
-    Round r walks the gate split from index r * n upwards (split_seed("gate", i) for
-    i = r * n, r * n + 1, ...) and takes the first n seeds not in ``used``; with a fixed n
-    and nothing used, round r gets exactly the block [r * n, (r + 1) * n). Pure: the
+    Round r walks the gate split from index start + r * n upwards (split_seed("gate", i)
+    for i = start + r * n, start + r * n + 1, ...) and takes the first n seeds not in
+    ``used``; with a fixed n and nothing used, round r gets exactly the block
+    [start + r * n, start + (r + 1) * n). ``start`` keeps the rounds off the split's first
+    items (a run whose held-out evaluation is the gate split's first ``eval.n``). Pure: the
     caller adds the returned seeds (and every seed scored during selection) to ``used``.
     """
     round_index = _check_int("round_index", round_index, 0)
     n = _check_int("n", n, 0)
+    start = _check_int("start", start, 0)
     seeds: list[int] = []
-    i = round_index * n
+    i = start + round_index * n
     while len(seeds) < n:
         if i >= SPLIT_SIZE:
-            raise ValueError(f"the gate split has no {n} unused seeds left from index {round_index * n}")
+            raise ValueError(f"the gate split has no {n} unused seeds left from index {start + round_index * n}")
         seed = split_seed("gate", i)
         if seed not in used:
             seeds.append(seed)

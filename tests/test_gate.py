@@ -375,6 +375,12 @@ def test_fresh_gate_seeds_blocks_and_skips():
     assert fresh_gate_seeds(4, 0, set()) == []
     with pytest.raises(ValueError, match="round_index"):
         fresh_gate_seeds(-1, 3, set())
+    # start: a run evaluated on the gate split's first 5 items gates on blocks after them
+    assert fresh_gate_seeds(0, 3, set(), start=5) == [split_seed("gate", i) for i in (5, 6, 7)]
+    assert fresh_gate_seeds(2, 3, set(), start=5) == [split_seed("gate", i) for i in (11, 12, 13)]
+    from recursa.envs.base import split_seeds
+
+    assert not set(fresh_gate_seeds(0, 3, set(), start=5)) & set(split_seeds("gate", 5))
 
 
 # ---------------------------------------------------------------- simulated error rates

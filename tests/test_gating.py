@@ -62,6 +62,20 @@ def test_gate_rounds_use_fresh_disjoint_gate_items(tmp_path):
     store.close()
 
 
+def test_gate_rounds_skip_the_held_out_items_of_a_run_evaluated_on_the_gate_split(tmp_path):
+    """eval.split = "gate" (a pilot on the dev fold) holds out the gate split's first eval.n
+    items; the gate's rounds start after them, so the gate never selects on what is reported."""
+    cfg = load_config(None, DIGITS + ["train.steps=2", "train.lr=1e-3", "eval.n=4", "eval.split=gate", "eval.before=false",
+                                      "gate.mode=log", "gate.every=1", "gate.n=5"])
+    run = grpo.train(cfg, tmp_path / "g", log=lambda *_: None)
+    store, lin = _lineage(run)
+    spans = [c.payload["seeds"] for c in lin.candidates("weights") if not c.is_root]
+    assert spans == [[1_000_000_000 + 4 + 5 * r, 1_000_000_000 + 4 + 5 * r + 4] for r in range(2)]
+    held_out = {i["seed"] for i in json.loads((run / "eval" / "after.json").read_text())["items"]}
+    assert held_out == set(range(1_000_000_000, 1_000_000_004))
+    store.close()
+
+
 def test_resume_truncates_the_lineage(tmp_path):
     base = DIGITS + ["train.lr=1e-3", "eval.n=0", "gate.mode=log", "gate.every=1", "gate.n=4", "run.checkpoint_every=1"]
     straight = grpo.train(load_config(None, base + ["train.steps=3"]), tmp_path / "a", log=lambda *_: None)

@@ -97,7 +97,10 @@ class WeightsGate:
         if not (inc_dir / "optimizer.pt").exists():
             raise UserError(f"the incumbent's weights {inc_dir} are missing: the run directory was pruned; start the run again")
         t = len(self.lineage.candidates("weights"))  # the root plus t - 1 earlier rounds
-        seeds = fresh_gate_seeds(t - 1, gc.n, set())  # block t - 1 of the gate split: disjoint across rounds
+        # block t - 1 of the gate split: disjoint across rounds, and after the held-out items when
+        # the run evaluates on the gate split (a pilot), so the gate never selects on them
+        held_out = self.cfg.eval.n if self.cfg.eval.split == "gate" else 0
+        seeds = fresh_gate_seeds(t - 1, gc.n, set(), start=held_out)
         cand = self._score(policy, seeds, f"gate candidate @ {step}", progress)
         trainable = {k: v.detach().clone() for k, v in policy.model.state_dict().items()}
         restore_weights(policy, inc_dir)
