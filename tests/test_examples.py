@@ -110,3 +110,15 @@ def test_the_benchmark_runs_expert_iteration_at_grpos_episodes():
     assert (cfg.rft.rounds, cfg.eval.every, cfg.rft.tasks_per_round * cfg.rft.group_size, cfg.eval.n) == (4, 2, 64, 50)
     with pytest.raises(SystemExit, match="whole number"):
         bench.rft_run_sets([*sets, "train.steps=3"])  # 96 episodes are not whole 64-episode rounds
+
+
+def test_the_household_light_curriculum_example_is_the_pilot():
+    """examples/curriculum/household_light.toml plays the benchmark's household_light games with
+    the pilot's overrides (docs/rsipo.md), one arm per task type."""
+    bench = _bench()
+    cfg = load_config(ROOT / "examples" / "curriculum" / "household_light.toml")
+    pilot = ["train.lr=1e-5", "train.warmup_steps=2", "train.skip_empty_steps=true", "train.micro_batch_size=8"]
+    _holds(cfg, [s for s in bench.HOUSEHOLD_LIGHT["sets"] if not s.startswith(("train.lr=", "train.micro_batch_size=", "run."))] + pilot)
+    assert cfg.init.from_run == bench.HOUSEHOLD_LIGHT["warm_start"] and cfg.curriculum.mode == "progress"
+    assert sorted(t for a in cfg.curriculum.arms for t in a.kwargs["tasks"]) == sorted(cfg.env.kwargs["tasks"])
+    assert (cfg.train.steps, cfg.eval.n, cfg.eval.split) == (8, 50, "gate")
