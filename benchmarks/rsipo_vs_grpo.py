@@ -331,9 +331,10 @@ def add_committed_others(result: dict, args, game: dict, seeds: list[int]) -> No
     keys = ("train.steps=", "eval.n=", "eval.every=", "eval.split=")
     mine = run_spec("grpo", seeds[0], args, game)  # any trained recipe: only its shared settings are compared
     want = sorted(x for x in mine["sets"] if x.startswith(keys))
+    ran = set(result["recipes"])  # this invocation's recipes (their seeds are already in)
     for path in sorted((Path(args.results) / game["slug"]).glob("*_seed*.json")):
         name, _, seed = path.stem.rpartition("_seed")
-        if name in result["recipes"] or name == "warm_start" or not seed.isdigit() or int(seed) not in seeds:
+        if name in ran or name == "warm_start" or not seed.isdigit() or int(seed) not in seeds:
             continue
         try:
             entry = json.loads(path.read_text())
