@@ -231,7 +231,7 @@ def recipe_spec(name: str, game: dict) -> tuple[str, list[str]]:
 
 
 def setting_value(game: dict, key: str) -> int:
-    return int(next(s.split("=", 1)[1] for s in game["sets"] if s.startswith(key + "=")))
+    return int(_last(game["sets"], key))
 
 
 def _config_sha(game: dict) -> str | None:

@@ -60,6 +60,13 @@ def _kv_shape(config) -> tuple[int, int, int]:
     return config.num_hidden_layers, kv_heads, head_dim
 
 
+def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
+    """How many leading tokens two id tensors share."""
+    m = min(len(a), len(b))
+    diff = (a[:m] != b[:m]).nonzero()
+    return m if len(diff) == 0 else int(diff[0])
+
+
 class SlotKV:
     """Static KV buffer of the decoding rows: per layer (rows, kv_heads, capacity, head_dim)
     keys and values. Slot r holds its row's tokens at columns 0..len-1; a decode step writes
@@ -147,11 +154,9 @@ class PrefixCache:
         """The entry sharing the longest prefix with `ids` (L,), and that prefix's length."""
         best, best_len = None, 0
         for key, e in self.entries.items():
-            m = min(len(e.ids), len(ids))
-            if m <= best_len:
+            if min(len(e.ids), len(ids)) <= best_len:
                 continue
-            diff = (e.ids[:m] != ids[:m]).nonzero()
-            common = m if len(diff) == 0 else int(diff[0])
+            common = _common_prefix(e.ids, ids)
             if common > best_len:
                 best, best_len, best_key = e, common, key
         if best is not None:
@@ -268,10 +273,7 @@ class ContinuousBatcher:
         todo = len(host) - reuse
         if todo > 0 and self.prefix is not None:
             for _, other, _, _ in wave:
-                m = min(len(other), len(host))
-                diff = (other[:m] != host[:m]).nonzero()
-                common = m if len(diff) == 0 else int(diff[0])
-                if common - reuse >= max(1, (todo + 1) // 2):
+                if _common_prefix(other, host) - reuse >= max(1, (todo + 1) // 2):
                     return None
         return host, entry, reuse
 
@@ -287,10 +289,12 @@ class ContinuousBatcher:
                 plan = self._plan(req, wave)
                 if plan is None:
                     later.append(req)
-                elif len(plan[0]) > plan[2]:
-                    (wave.append((req, *plan)) if len(wave) < self.prefill_rows else later.append(req))
-                else:
+                elif len(plan[0]) == plan[2]:  # all of it cached
                     ready.append((req, *plan))
+                elif len(wave) < self.prefill_rows:
+                    wave.append((req, *plan))
+                else:
+                    later.append(req)
             self.waiting.extendleft(reversed(later))
             if not wave and not ready:
                 return
@@ -307,8 +311,8 @@ class ContinuousBatcher:
                 self.feed.append(req.prompt[-1])
             if wave:
                 self._prefill(first, wave)
+                self.times.prefill_calls += 1
             self.times.prefill_s += time.perf_counter() - t
-            self.times.prefill_calls += 1 if wave else 0
 
     def _prefill(self, first: int, wave: list[tuple[_Request, torch.Tensor, _Entry | None, int]]) -> None:
         """One forward of the wave's uncached prompt tokens into slots first..first+len(wave)-1."""
