@@ -62,9 +62,10 @@ def analyse(eval_json: Path, env_kwargs: dict) -> dict:
     from recursa.envs import make_env
 
     data = json.loads(eval_json.read_text())
+    items = data["heldout"]["items"] if "heldout" in data else data["items"]  # a benchmark result file, or an eval JSON
     env = make_env("household", **env_kwargs)
     rows = []
-    for item in data["items"]:
+    for item in items:
         env.reset(item["seed"])
         goal = env.goal  # the game's own goal: object kind, target receptacle kind, verb
         actions = [a.strip() for a in str(item.get("completion", "")).split("|") if a.strip()]
@@ -98,7 +99,8 @@ def markdown(result: dict, title: str) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("eval_json", type=Path, help="an evaluation JSON with per-item completions (a run's eval/<label>.json)")
+    p.add_argument("eval_json", type=Path, help="an evaluation JSON with per-item completions (a run's eval/<label>.json, or a benchmark "
+                   "result file, benchmarks/results/self_improve/.../<recipe>_seed<N>.json: its final evaluation)")
     p.add_argument("--env-kwargs", default=json.dumps(HOUSEHOLD_KWARGS), help="household options as JSON (default: the benchmark's)")
     p.add_argument("--out", type=Path, help="write <out>.json and <out>.md")
     p.add_argument("--title", default=None, help="the table's title (default: the evaluation's path)")

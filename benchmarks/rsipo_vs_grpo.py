@@ -259,14 +259,17 @@ def warm_start_id(game: dict) -> str | None:
     pinned in `<results>/<game>/warm_start_pin.json` with the weights' own hash. A warm start
     retrained later (its config.toml written with keys recursa added since) keeps the pinned
     id when its weights are byte-identical, so committed results stay valid; with other
-    weights it gets a new id and every run is redone."""
+    weights it gets a new id and every run is redone. A warm start that is not at hand (a
+    `--report` after its run directory is gone) is the pinned one."""
     if game["warm_start"] is None:
         return None
     config_sha = _config_sha(game)
     pin_path = game.get("pin")
-    if config_sha is None or pin_path is None or not pin_path.exists():
+    if pin_path is None or not pin_path.exists():
         return config_sha
     pin = json.loads(pin_path.read_text())
+    if config_sha is None:
+        return pin["config_sha"]
     if pin["config_sha"] == config_sha:
         return config_sha
     return pin["config_sha"] if _weights_sha(game) == pin["weights_sha256"] else config_sha

@@ -136,6 +136,21 @@ def test_failure_modes_classifies_household_transcripts_by_hand():
     assert fm.classify(go + ["take mug 1 from fridge 1", "go to fridge 1", "cool mug 1 with fridge 1", "go to cabinet 1"], False, "mug", "cabinet", "cool") == ("not_placed", False)
 
 
+def test_failure_modes_reads_an_eval_json_and_a_benchmark_result_file_alike(tmp_path):
+    """benchmarks/failure_modes.py: a benchmark result file (heldout.items) is analysed exactly
+    as the run's own eval JSON (items) holding the same games."""
+    spec = importlib.util.spec_from_file_location("failure_modes", REPO / "benchmarks" / "failure_modes.py")
+    fm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fm)
+    items = [{"seed": 2_000_000_000 + i, "success": False, "completion": "go to cabinet 1 | go to cabinet 1 | go to cabinet 1"} for i in range(3)]
+    (tmp_path / "eval.json").write_text(json.dumps({"items": items}))
+    (tmp_path / "result.json").write_text(json.dumps({"spec": {}, "heldout": {"items": items}}))
+    a = fm.analyse(tmp_path / "eval.json", fm.HOUSEHOLD_KWARGS)
+    b = fm.analyse(tmp_path / "result.json", fm.HOUSEHOLD_KWARGS)
+    assert a["n"] == b["n"] == 3 and a["by_task_type"] == b["by_task_type"]
+    assert sum(c["never_took"] for c in a["by_task_type"].values()) == 3
+
+
 def test_decode_precision_gap_is_zero_for_the_same_model_and_grows_with_noise(tmp_path):
     """benchmarks/decode_precision.py's measure: a model against itself gives KL 0 and no log-prob
     gap; perturbing its weights gives a positive KL and gap; the script writes its table."""
