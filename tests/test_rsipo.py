@@ -810,3 +810,9 @@ def test_benchmark_pins_the_warm_start_by_its_weights(tmp_path):
     assert bench.warm_start_id(game) == hashlib.sha256(b'recipe = "sft"\n[log]\nreport_to = []\n').hexdigest()[:16]
     bench.pin_warm_start(game)  # an existing pin is never rewritten
     assert json.loads(game["pin"].read_text()) == pin
+    import shutil
+
+    shutil.rmtree(ws)  # gone (a later sitting): a --report still matches the committed runs by the pin
+    assert bench.warm_start_id(game) == first
+    game["pin"].unlink()
+    assert bench.warm_start_id(game) is None  # neither the warm start nor a pin: nothing to match
