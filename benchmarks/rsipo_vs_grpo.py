@@ -593,12 +593,15 @@ def item_map(entry: dict, point: str = "final", episodes: int | None = None) -> 
 
 
 def summarise(result: dict) -> dict:
-    """Paired comparisons of every recipe against warm_start and grpo, and the episodes each
-    recipe needed to reach grpo's final pooled success (result['comparisons'])."""
+    """Paired comparisons of every recipe against warm_start and the GRPO baseline
+    (result['baseline'], by default the recipe named grpo; a pilot's tagged GRPO, e.g.
+    grpo@lr1e-5, with --baseline), and the episodes each recipe needed to reach the
+    baseline's final pooled success (result['comparisons'])."""
     from recursa.stats import wilson_interval
 
     recipes = result["recipes"]
-    grpo_items = item_map(recipes["grpo"]) if "grpo" in recipes else {}
+    base = result.get("baseline", "grpo")
+    grpo_items = item_map(recipes[base]) if base in recipes else {}
     comparisons = {}
     for name, entry in recipes.items():
         items = item_map(entry)
@@ -606,15 +609,15 @@ def summarise(result: dict) -> dict:
         row = {"pooled": [k, n, *wilson_interval(k, n)] if n else None}
         if "warm_start" in recipes and name != "warm_start":
             row["vs_warm_start"] = compare(item_map(recipes["warm_start"]), items)
-        if "grpo" in recipes and name not in ("grpo", "warm_start"):
+        if base in recipes and name not in (base, "warm_start"):
             # at equal budgets: a recipe that sampled more episodes than GRPO (hinted re-rolls) is
             # compared at its last evaluation within GRPO's episodes
-            budget = min(s["episodes"] for s in recipes["grpo"]["seeds"])
+            budget = min(s["episodes"] for s in recipes[base]["seeds"])
             over = any(s["episodes"] > budget for s in entry["seeds"])
             row["vs_grpo"] = compare(grpo_items, item_map(entry, "curve", budget) if over else items)
             if row["vs_grpo"] is not None:
                 row["vs_grpo"]["at_episodes"] = budget if over else None
-        if "grpo" in recipes and name not in ("grpo", "warm_start"):
+        if base in recipes and name not in (base, "warm_start"):
             target = sum(grpo_items.values()) / max(len(grpo_items), 1)
             points = sorted({p["episodes"] for s in entry["seeds"] for p in s["curve"]})
             reach = None
@@ -676,7 +679,7 @@ def table(result: dict) -> str:
         f"= {b['episodes']} training episodes (RSIPO's extra sampled episodes are counted in its curve); held-out: the first "
         f"{b['eval_n']} {b['split']}-split games, greedy, the same for every run; training seeds {result['seeds']}.",
         "",
-        "| recipe | seeds | episodes sampled (mean) | final success, pooled k/n [Wilson 95%] | per seed | vs warm_start: diff [95%] one-sided McNemar p (game-clustered bootstrap) | vs grpo | s per run |",
+        f"| recipe | seeds | episodes sampled (mean) | final success, pooled k/n [Wilson 95%] | per seed | vs warm_start: diff [95%] one-sided McNemar p (game-clustered bootstrap) | vs {result.get('baseline', 'grpo')} | s per run |",
         "|---|---:|---:|---|---|---|---|---:|",
     ]
     for name, entry in result["recipes"].items():
@@ -691,8 +694,9 @@ def table(result: dict) -> str:
         )
     reach = {n: c["episodes_to_grpo_final"] for n, c in result["comparisons"].items() if "episodes_to_grpo_final" in c}
     if reach:
-        lines += ["", "Episodes each recipe needed to reach GRPO's final pooled success (at an evaluation point; '-' = not reached): "
-                  + ", ".join(f"{n}: {e if e is not None else '-'}" for n, e in reach.items()) + f" (GRPO: {b['episodes']})."]
+        base = result.get("baseline", "grpo")
+        lines += ["", f"Episodes each recipe needed to reach {base}'s final pooled success (at an evaluation point; '-' = not reached): "
+                  + ", ".join(f"{n}: {e if e is not None else '-'}" for n, e in reach.items()) + f" ({base}: {b['episodes']})."]
     lines += ["", "Pairs are (training seed, held-out game); the warm start's greedy play is deterministic, so its one evaluation is paired "
               "with every seed. The clustered bootstrap resamples games (each with all its seeds), the honest interval when the same "
               "game is played by every seed.", ""]
@@ -788,6 +792,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a training setting of every run but warm_start (a pilot, e.g. train.lr=2e-6); needs --tag")
     p.add_argument("--tag", default="", help="appended to the recipe names of runs made with --set (e.g. @lr2e-6), so they never replace the default runs")
+    p.add_argument("--baseline", default="grpo", help="the GRPO run the others are compared with in the summary (e.g. a pilot's grpo@lr1e-5)")
     p.add_argument("--report", action="store_true", help="run nothing: tables and plots from the result files present")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -829,6 +834,7 @@ def main(argv: list[str] | None = None) -> int:
                        "model": next(s.split("=", 1)[1] for s in game["sets"] if s.startswith("model.name="))},
             "seeds": seeds,
             "settings": game["sets"],
+            "baseline": args.baseline,
             "recipes": {},
         }
         for seed in seeds:  # seeds outermost, recipes alternating: slow drift of a shared machine hits all alike

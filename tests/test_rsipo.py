@@ -816,3 +816,33 @@ def test_benchmark_pins_the_warm_start_by_its_weights(tmp_path):
     assert bench.warm_start_id(game) == first
     game["pin"].unlink()
     assert bench.warm_start_id(game) is None  # neither the warm start nor a pin: nothing to match
+
+
+def test_benchmark_summary_compares_with_the_named_grpo_baseline():
+    """rsipo_vs_grpo's summary pairs every recipe with the baseline it is given (a pilot's
+    tagged GRPO): hand-counted wins and losses, and the episodes to reach its final success."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("rsipo_vs_grpo", REPO / "benchmarks" / "rsipo_vs_grpo.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def run(seed, final, mid=None):
+        items = [{"seed": g, "success": s} for g, s in enumerate(final)]
+        curve = ([{"episodes": 128, "items": [{"seed": g, "success": s} for g, s in enumerate(mid)]}] if mid else []) + [{"episodes": 256, "items": items}]
+        return {"seed": seed, "episodes": 256, "heldout": {"items": items}, "curve": curve}
+
+    ws = [1, 0, 0, 0, 1, 0]
+    result = {"baseline": "grpo@lr1e-5", "recipes": {
+        "warm_start": {"seeds": [dict(run(0, ws), episodes=0), dict(run(1, ws), episodes=0)]},
+        "grpo@lr1e-5": {"seeds": [run(0, [1, 1, 0, 0, 0, 0]), run(1, [1, 0, 0, 0, 1, 0])]},
+        "grpo@progress": {"seeds": [run(0, [1, 1, 1, 0, 1, 0], mid=[1, 1, 0, 0, 1, 0]), run(1, [1, 1, 1, 1, 1, 0], mid=[1, 0, 1, 0, 1, 0])]},
+    }}
+    c = bench.summarise(result)
+    assert "vs_grpo" not in c["grpo@lr1e-5"] and c["grpo@lr1e-5"]["vs_warm_start"]["b"] == 1 and c["grpo@lr1e-5"]["vs_warm_start"]["c"] == 1
+    vs = c["grpo@progress"]["vs_grpo"]  # seed 0: +2 (games 2, 4) -0; seed 1: +3 (games 1, 2, 3) -0
+    assert (vs["b"], vs["c"], vs["n"]) == (5, 0, 12) and vs["diff"] == pytest.approx(5 / 12)
+    assert c["grpo@progress"]["pooled"][:2] == [9, 12]
+    assert c["grpo@progress"]["episodes_to_grpo_final"] == 128  # 6/12 at 128 >= the baseline's 5/12
+    result["baseline"] = "grpo"  # no such recipe: no comparison with GRPO at all
+    assert "vs_grpo" not in bench.summarise(result)["grpo@progress"]
