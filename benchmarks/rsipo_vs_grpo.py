@@ -556,7 +556,7 @@ def cluster_bootstrap(x: list[bool], y: list[bool], games: list[int], reps: int 
         draw = [clusters[rng.randrange(len(clusters))] for _ in clusters]
         diffs.append(sum(d for d, _ in draw) / sum(n for _, n in draw))
     diffs.sort()
-    return {"ci95": (diffs[int(0.025 * reps)], diffs[int(0.975 * reps) - 1]), "p_greater": sum(d <= 0 for d in diffs) / reps}
+    return {"ci95": (diffs[int(0.025 * reps)], diffs[int(0.975 * reps) - 1]), "p_greater": sum(d <= 0 for d in diffs) / reps, "reps": reps}
 
 
 def compare(a_items: dict, b_items: dict) -> dict | None:
@@ -569,7 +569,8 @@ def compare(a_items: dict, b_items: dict) -> dict | None:
     out = paired_compare(x, y)
     boot = cluster_bootstrap(x, y, games)
     return {"n": out["n"], "diff": out["diff"], "diff_ci95": list(out["diff_ci95"]), "b": out["b"], "c": out["c"],
-            "p_greater": out["p_greater"], "p_two_sided": out["p_two_sided"], "cluster_ci95": list(boot["ci95"]), "cluster_p_greater": boot["p_greater"]}
+            "p_greater": out["p_greater"], "p_two_sided": out["p_two_sided"], "cluster_ci95": list(boot["ci95"]), "cluster_p_greater": boot["p_greater"],
+            "cluster_reps": boot["reps"]}
 
 
 def item_map(entry: dict, point: str = "final", episodes: int | None = None) -> dict[tuple[int, int], bool]:
@@ -666,8 +667,10 @@ def _fmt_cmp(c: dict | None) -> str:
     if c is None:
         return "-"
     at = f" (at <= {c['at_episodes']} episodes)" if c.get("at_episodes") else ""
+    # no resample at or below 0: the bootstrap p is below 1/reps, not 0
+    cp = f"<{1 / c.get('cluster_reps', 10_000):.0g}" if c["cluster_p_greater"] == 0 else f"={c['cluster_p_greater']:.2g}"
     return (f"{c['diff']:+.3f}{at} [{c['diff_ci95'][0]:+.3f}, {c['diff_ci95'][1]:+.3f}] p={c['p_greater']:.2g}"
-            f" (games: [{c['cluster_ci95'][0]:+.3f}, {c['cluster_ci95'][1]:+.3f}] p={c['cluster_p_greater']:.2g})")
+            f" (games: [{c['cluster_ci95'][0]:+.3f}, {c['cluster_ci95'][1]:+.3f}] p{cp})")
 
 
 def table(result: dict) -> str:

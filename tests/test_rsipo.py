@@ -846,3 +846,18 @@ def test_benchmark_summary_compares_with_the_named_grpo_baseline():
     assert c["grpo@progress"]["episodes_to_grpo_final"] == 128  # 6/12 at 128 >= the baseline's 5/12
     result["baseline"] = "grpo"  # no such recipe: no comparison with GRPO at all
     assert "vs_grpo" not in bench.summarise(result)["grpo@progress"]
+
+
+def test_benchmark_table_reports_a_zero_bootstrap_p_as_below_one_over_the_resamples():
+    """Every resample of a clear gain is above 0: the clustered bootstrap's p prints as < 1/reps."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("rsipo_vs_grpo", REPO / "benchmarks" / "rsipo_vs_grpo.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    x, y = [False] * 20, [True] * 10 + [False] * 10  # 10 games gained, none lost
+    boot = bench.cluster_bootstrap(x, y, list(range(20)), reps=1000)
+    assert boot["p_greater"] == 0 and boot["reps"] == 1000
+    text = bench._fmt_cmp({"diff": 0.5, "diff_ci95": [0.3, 0.7], "p_greater": 0.001, "cluster_ci95": list(boot["ci95"]),
+                           "cluster_p_greater": boot["p_greater"], "cluster_reps": boot["reps"]})
+    assert "p<0.001)" in text and "p=0)" not in text
