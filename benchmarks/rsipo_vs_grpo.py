@@ -13,6 +13,7 @@ the run's `episodes/sampled` metric; GRPO samples B x G per step).
     python benchmarks/rsipo_vs_grpo.py --games household --recipes warm_start,grpo,rloop   # RLoop, a GRPO option (examples/rloop_household.toml)
     python benchmarks/rsipo_vs_grpo.py --games household_light --recipes rft      # expert iteration at GRPO's episodes (examples/household_light_rft.toml)
     python benchmarks/rsipo_vs_grpo.py --games twx:twc --split gate --recipes grpo --seeds 0 --steps 8   # a pilot on the dev fold
+    python benchmarks/rsipo_vs_grpo.py --games household_light --report --baseline grpo@lr1e-5   # compared with a tagged GRPO run
     python benchmarks/rsipo_vs_grpo.py --tiny --out /tmp/bench         # tiny random model on toy-corridor: checks the script
 
 Design (issue 12):
