@@ -543,7 +543,10 @@ def pairs(a: dict[tuple[int, int], bool], b: dict[tuple[int, int], bool]) -> tup
     return [a[k] for k in common], [b[k] for k in common], [k[1] for k in common]
 
 
-def cluster_bootstrap(x: list[bool], y: list[bool], games: list[int], reps: int = 10_000, seed: int = 0) -> dict:
+BOOT_REPS = 10_000  # resamples of the game-clustered bootstrap
+
+
+def cluster_bootstrap(x: list[bool], y: list[bool], games: list[int], reps: int = BOOT_REPS, seed: int = 0) -> dict:
     """Paired difference mean(y) - mean(x) with a game-clustered bootstrap: games are resampled
     with replacement, each bringing all of its (training seed) pairs. Returns the 95%
     percentile interval and the one-sided p of 'no gain' (share of resamples with diff <= 0)."""
@@ -669,7 +672,7 @@ def _fmt_cmp(c: dict | None) -> str:
         return "-"
     at = f" (at <= {c['at_episodes']} episodes)" if c.get("at_episodes") else ""
     # no resample at or below 0: the bootstrap p is below 1/reps, not 0
-    cp = f"<{1 / c.get('cluster_reps', 10_000):.0g}" if c["cluster_p_greater"] == 0 else f"={c['cluster_p_greater']:.2g}"
+    cp = f"<{1 / c.get('cluster_reps', BOOT_REPS):.0g}" if c["cluster_p_greater"] == 0 else f"={c['cluster_p_greater']:.2g}"
     return (f"{c['diff']:+.3f}{at} [{c['diff_ci95'][0]:+.3f}, {c['diff_ci95'][1]:+.3f}] p={c['p_greater']:.2g}"
             f" (games: [{c['cluster_ci95'][0]:+.3f}, {c['cluster_ci95'][1]:+.3f}] p{cp})")
 

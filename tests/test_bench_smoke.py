@@ -118,15 +118,16 @@ def test_methods_demo_runs_compares_and_reuses(tmp_path):
     assert second.stdout.count("committed result") == 3 and "running" not in second.stdout
 
 
-def test_failure_modes_classifies_household_transcripts_by_hand():
-    """benchmarks/failure_modes.py: each lost game gets the first mode that fits (hand-made transcripts)."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "failure_modes.py"
-    spec = importlib.util.spec_from_file_location("failure_modes", path)
+def _failure_modes():
+    spec = importlib.util.spec_from_file_location("failure_modes", REPO / "benchmarks" / "failure_modes.py")
     fm = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(fm)
+    return fm
+
+
+def test_failure_modes_classifies_household_transcripts_by_hand():
+    """benchmarks/failure_modes.py: each lost game gets the first mode that fits (hand-made transcripts)."""
+    fm = _failure_modes()
     go = ["go to fridge 1", "open fridge 1"]
     assert fm.classify(go + ["take mug 1 from fridge 1", "go to cabinet 1", "put mug 1 in cabinet 1"], True, "mug", "cabinet", None) == ("won", False)
     assert fm.classify(go + ["go to cabinet 1"] * 3, False, "mug", "cabinet", None) == ("never_took", True)
@@ -139,9 +140,7 @@ def test_failure_modes_classifies_household_transcripts_by_hand():
 def test_failure_modes_reads_an_eval_json_and_a_benchmark_result_file_alike(tmp_path):
     """benchmarks/failure_modes.py: a benchmark result file (heldout.items) is analysed exactly
     as the run's own eval JSON (items) holding the same games."""
-    spec = importlib.util.spec_from_file_location("failure_modes", REPO / "benchmarks" / "failure_modes.py")
-    fm = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fm)
+    fm = _failure_modes()
     items = [{"seed": 2_000_000_000 + i, "success": False, "completion": "go to cabinet 1 | go to cabinet 1 | go to cabinet 1"} for i in range(3)]
     (tmp_path / "eval.json").write_text(json.dumps({"items": items}))
     (tmp_path / "result.json").write_text(json.dumps({"spec": {}, "heldout": {"items": items}}))

@@ -68,6 +68,16 @@ def _one_thread():
 GOOD_SKILL = "Go east to reach the last room."
 
 
+def _bench():
+    """benchmarks/rsipo_vs_grpo.py as a module (a script, not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("rsipo_vs_grpo", REPO / "benchmarks" / "rsipo_vs_grpo.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
 def _always_valid(reply, max_words, max_chars):
     """A stand-in for parse_skill: every reply reads as GOOD_SKILL (the tiny random model
     writes junk that BM25 would never retrieve for the corridor's task)."""
@@ -730,11 +740,7 @@ def test_benchmark_run_cut_off_resumes_where_it_stopped(tmp_path):
 def test_benchmark_success_by_task_type():
     """household's held-out games are labelled by the task type the env draws (the warm start
     saw two of four), and final successes are pooled per label over seeds."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("rsipo_vs_grpo", REPO / "benchmarks" / "rsipo_vs_grpo.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _bench()
     from recursa.envs import make_env
 
     seeds = [2_000_000_000 + i for i in range(6)]
@@ -752,11 +758,7 @@ def test_benchmark_success_by_task_type():
 
 
 def test_benchmark_cluster_bootstrap_and_pairs():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("rsipo_vs_grpo", REPO / "benchmarks" / "rsipo_vs_grpo.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _bench()
     a = {(0, 10): False, (1, 10): False, (0, 11): True, (1, 11): True, (0, 12): False}
     b = {(0, 10): True, (1, 10): True, (0, 11): True, (1, 11): False, (2, 99): True}
     x, y, games = bench.pairs(a, b)
@@ -770,11 +772,7 @@ def test_benchmark_cluster_bootstrap_and_pairs():
 
 
 def test_benchmark_takes_each_ablations_switches_from_its_example_config():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("rsipo_vs_grpo", REPO / "benchmarks" / "rsipo_vs_grpo.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _bench()
     budget = bench.TWX_TWC["rsipo"]
     assert bench.recipe_spec("opid", bench.TWX_TWC) == ("rsipo", [*budget, 'trust.mode="fixed"', "trust.fixed=1.0"])
     assert bench.recipe_spec("srpo", bench.TWX_TWC) == ("rsipo", [*budget, 'teacher.route="failed"'])
@@ -789,11 +787,7 @@ def test_benchmark_pins_the_warm_start_by_its_weights(tmp_path):
     """A warm start retrained later writes a config.toml with keys recursa added since: its id
     stays the pinned one while the weights are byte-identical, and changes when they differ."""
     import hashlib
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("rsipo_vs_grpo", REPO / "benchmarks" / "rsipo_vs_grpo.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _bench()
     ws = tmp_path / "ws"
     (ws / "checkpoints" / "step_000020").mkdir(parents=True)
     (ws / "config.toml").write_text('recipe = "sft"\n')
@@ -821,11 +815,7 @@ def test_benchmark_pins_the_warm_start_by_its_weights(tmp_path):
 def test_benchmark_summary_compares_with_the_named_grpo_baseline():
     """rsipo_vs_grpo's summary pairs every recipe with the baseline it is given (a pilot's
     tagged GRPO): hand-counted wins and losses, and the episodes to reach its final success."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("rsipo_vs_grpo", REPO / "benchmarks" / "rsipo_vs_grpo.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _bench()
 
     def run(seed, final, mid=None):
         items = [{"seed": g, "success": s} for g, s in enumerate(final)]
@@ -850,11 +840,7 @@ def test_benchmark_summary_compares_with_the_named_grpo_baseline():
 
 def test_benchmark_table_reports_a_zero_bootstrap_p_as_below_one_over_the_resamples():
     """Every resample of a clear gain is above 0: the clustered bootstrap's p prints as < 1/reps."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("rsipo_vs_grpo", REPO / "benchmarks" / "rsipo_vs_grpo.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _bench()
     x, y = [False] * 20, [True] * 10 + [False] * 10  # 10 games gained, none lost
     boot = bench.cluster_bootstrap(x, y, list(range(20)), reps=1000)
     assert boot["p_greater"] == 0 and boot["reps"] == 1000
