@@ -32,6 +32,8 @@ Design (issue 12):
   `recipes.<name>.seeds[].heldout.items[]` (`seed`, `success`), with `env` and `budget`;
   `warm_start` is a recipe there: the warm start itself on the same items (greedy play is
   deterministic, so it is evaluated once and paired with every training seed's run).
+  Every invocation rebuilds it from all committed runs whose comparison settings match,
+  whichever seeds and recipes the invocation itself ran.
 * Paired tests over (training seed, held-out game) pairs: each recipe against `warm_start`
   and against `grpo`, exact one-sided McNemar p and Newcombe's 95% interval on the
   difference; because the same game appears once per training seed, a game-clustered
@@ -327,18 +329,30 @@ def run_spec(name: str, seed: int, args, game: dict) -> dict:
     return {"recipe": recipe, "name": name, "seed": seed, "sets": sets, "tiny": args.tiny, "warm_start_id": warm_start_id(game), "code": CODE_VERSION}
 
 
-def add_committed_others(result: dict, args, game: dict, seeds: list[int]) -> None:
-    """Add to the summary every other committed run of the game (a pilot's tagged recipes from
-    earlier invocations) whose comparison settings are this invocation's: the same warm start,
-    code version, training steps and held-out evaluation (split, items, points). Files that
-    are not results of a finished run (e.g. a stopped run's `*_stopped.json`) are skipped."""
+def add_committed(result: dict, args, game: dict, seeds: list[int]) -> list[int]:
+    """Complete the summary with every committed run of the game that this invocation did not
+    produce, so that it never shrinks to the seeds or recipes one invocation ran:
+    * runs of other recipes (a pilot's tagged runs from earlier invocations) and other seeds of
+      this invocation's recipes, whose comparison settings are this invocation's: the same
+      warm start, code version, training steps and held-out evaluation (split, items, points);
+      a recipe of this invocation must also match its training settings (all but the seed);
+    * the committed warm start, paired with every seed of the summary, when this invocation
+      did not evaluate it.
+    Files that are not results of a finished run (e.g. a stopped run's `*_stopped.json`) are
+    skipped. Returns the summary's seeds."""
     keys = ("train.steps=", "eval.n=", "eval.every=", "eval.split=")
     mine = run_spec("grpo", seeds[0], args, game)  # any trained recipe: only its shared settings are compared
     want = sorted(x for x in mine["sets"] if x.startswith(keys))
-    ran = set(result["recipes"])  # this invocation's recipes (their seeds are already in)
+    recipes = result["recipes"]
+    have = {(name, s["seed"]) for name, entry in recipes.items() for s in entry["seeds"]}
+
+    def unseeded(sets: list[str]) -> list[str]:
+        return [x for x in sets if not x.startswith("train.seed=")]
+
+    found = []
     for path in sorted((Path(args.results) / game["slug"]).glob("*_seed*.json")):
         name, _, seed = path.stem.rpartition("_seed")
-        if name in ran or name == "warm_start" or not seed.isdigit() or int(seed) not in seeds:
+        if not seed.isdigit() or (name, int(seed)) in have or (name == "warm_start" and "warm_start" in recipes):
             continue
         try:
             entry = json.loads(path.read_text())
@@ -347,11 +361,32 @@ def add_committed_others(result: dict, args, game: dict, seeds: list[int]) -> No
             continue
         if "heldout" not in entry or spec.get("code") != CODE_VERSION or spec.get("warm_start_id") != mine["warm_start_id"]:
             continue
+        if name == "warm_start":
+            if spec == run_spec("warm_start", int(seed), args, game):
+                found.append((name, int(seed), entry, path))
+            continue
         if sorted(x for x in spec["sets"] if x.startswith(keys)) != want:
             continue
-        extra = [x for x in spec["sets"] if x not in mine["sets"]]
-        result["recipes"].setdefault(name, {"recipe": spec["recipe"], "sets": extra, "seeds": []})["seeds"].append(entry)
+        if name in recipes and unseeded(spec["sets"]) != unseeded(recipes[name]["seeds"][0]["spec"]["sets"]):
+            continue
+        found.append((name, int(seed), entry, path))
+    for name, seed, entry, path in found:
+        if name == "warm_start":
+            continue
+        extra = [x for x in entry["spec"]["sets"] if x not in mine["sets"]]
+        recipes.setdefault(name, {"recipe": entry["spec"]["recipe"], "sets": extra, "seeds": []})["seeds"].append(entry)
         print(f"{game['env']:>10} {name:>14} seed {seed}: committed result of an earlier invocation ({path.name})", flush=True)
+    all_seeds = sorted({*seeds, *(s["seed"] for name, entry in recipes.items() if name != "warm_start" for s in entry["seeds"])})
+    for entry in recipes.values():
+        entry["seeds"].sort(key=lambda s: s["seed"])
+    warm = next((e for n, _, e, _ in found if n == "warm_start"), None)
+    if "warm_start" in recipes:
+        ws = recipes["warm_start"]["seeds"][0]
+        recipes["warm_start"]["seeds"] = [{**ws, "seed": s} for s in all_seeds]
+    elif warm is not None:  # first in the summary, as when this invocation evaluates it
+        result["recipes"] = {"warm_start": {"recipe": "grpo", "sets": [], "seeds": [{**warm, "seed": s} for s in all_seeds]}, **recipes}
+        print(f"{game['env']:>10}     warm_start: committed result of an earlier invocation", flush=True)
+    return all_seeds
 
 
 def label(name: str, args) -> str:
@@ -855,7 +890,7 @@ def main(argv: list[str] | None = None) -> int:
                 if entry is not None:
                     sets = recipe_spec(name, game)[1] + (args.set if name != "warm_start" else [])
                     result["recipes"].setdefault(label(name, args), {"recipe": recipe_spec(name, game)[0], "sets": sets, "seeds": []})["seeds"].append(entry)
-        add_committed_others(result, args, game, seeds)
+        result["seeds"] = add_committed(result, args, game, seeds)
         if not result["recipes"]:
             print(f"{game['env']}: no results yet", flush=True)
             continue

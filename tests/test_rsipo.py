@@ -710,6 +710,17 @@ def test_benchmark_script_tiny(tmp_path):
     assert subprocess.run(other, cwd=REPO, capture_output=True, text=True, timeout=300).returncode == 0
     assert list(json.loads((tmp_path / "out" / "toy_corridor.json").read_text())["recipes"]) == ["warm_start"]
 
+    # one piece of the benchmark (one recipe, one seed, as a queue runs it) rewrites the summary
+    # with every committed seed and the warm start, not only with what it ran
+    piece = [*cmd[:4], "grpo", cmd[5], "1", *cmd[7:]]
+    assert subprocess.run(piece, cwd=REPO, capture_output=True, text=True, timeout=300).returncode == 0
+    assert not (tmp_path / "runs").exists()  # nothing was retrained
+    summary = json.loads((tmp_path / "out" / "toy_corridor.json").read_text())
+    assert summary["seeds"] == [0, 1] and list(summary["recipes"]) == ["warm_start", "grpo", "rsipo"]
+    assert [s["seed"] for s in summary["recipes"]["warm_start"]["seeds"]] == [0, 1]
+    assert [s["seed"] for s in summary["recipes"]["grpo"]["seeds"]] == [0, 1]
+    assert summary["comparisons"] == data["comparisons"]
+
 
 def test_benchmark_run_cut_off_resumes_where_it_stopped(tmp_path):
     """A benchmark run killed after its first checkpoint (a sitting's end) resumes from it on
