@@ -10,6 +10,7 @@ step generates B x G completions and then takes exactly one optimizer step on th
     python benchmarks/vs_trl.py --smoke                      # tiny random model, CI
     python benchmarks/vs_trl.py --recursa-only               # no TRL needed
     python benchmarks/vs_trl.py --device cuda                # both frameworks on the GPU
+    python benchmarks/vs_trl.py --recursa-decode bfloat16    # also recursa sampling with a bf16 copy (rollout.decode_dtype)
 
 Every (setting, framework, repeat) run is its own subprocess (fresh interpreter, fresh
 model), so the peak resident memory of each framework is measured on its own. Runs
@@ -39,6 +40,11 @@ if str(REPO) not in sys.path:
 
 THREADS = 2
 FRAMEWORKS = ("recursa", "trl")
+# recursa with a low-precision sampling copy of the weights (--recursa-decode): an entry of its
+# own, run and reported beside plain recursa; the trainer stays float32 and the gap between the
+# copy's and the trainer's log-probs is corrected by truncated importance sampling (TIS_CAP)
+DECODE_VARIANT = "recursa-{}"
+TIS_CAP = 2.0
 DEFAULT_SYSTEM = "You are a helpful assistant."  # recursa's default model.system_prompt
 AGENT_SYSTEM = (
     "You are an agent in a text adventure. Read the observation, think about the admissible actions, "
@@ -190,6 +196,8 @@ def recursa_config(spec: dict, model_dir: str, steps: int):
     }
     items = [f"{k}={json.dumps(v)}" for k, v in overrides.items()]
     items += [f"env.kwargs={{difficulty = {COMMON['difficulty']}}}", f"train.betas={json.dumps(COMMON['betas'])}"]
+    if spec.get("decode_dtype", "model") != "model":
+        items += [f"rollout.decode_dtype={json.dumps(spec['decode_dtype'])}", f"rollout.tis_cap={TIS_CAP}"]
     return load_config(None, items)
 
 
@@ -280,6 +288,7 @@ def child_recursa(spec: dict, model_dir: str, steps: int) -> dict:
     torch.set_num_threads(THREADS)
     t_start = time.perf_counter()
     from recursa.algorithms.advantages import compute_advantages
+    from recursa.engines import make_engine
     from recursa.generation import SamplingParams
     from recursa.models import load_policy
     from recursa.recipes.grpo import step_generator, train_seeds, update
@@ -290,6 +299,7 @@ def child_recursa(spec: dict, model_dir: str, steps: int) -> dict:
     device = cfg.model.device
     torch.manual_seed(cfg.train.seed)
     policy = load_policy(cfg.model)
+    engine = make_engine(cfg.rollout, policy)  # the native sampler; with --recursa-decode, on a low-precision copy
     params = param_counts(policy.causal_lm)
     trainable = [p for p in policy.model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=cfg.train.lr, betas=cfg.train.betas, eps=COMMON["adam_eps"], weight_decay=cfg.train.weight_decay, fused=True)
@@ -309,7 +319,7 @@ def child_recursa(spec: dict, model_dir: str, steps: int) -> dict:
         t0 = time.perf_counter()
         gen = step_generator(cfg.train.seed, step)
         seeds = train_seeds(cfg, step)
-        ro = rollout(policy, envs, seeds, G, sampling, gen, cfg.model.system_prompt or None)
+        ro = rollout(policy, envs, seeds, G, sampling, gen, cfg.model.system_prompt or None, engine=engine)
         _sync(device)
         t1 = time.perf_counter()
         trajs = ro.trajectories
@@ -318,6 +328,7 @@ def child_recursa(spec: dict, model_dir: str, steps: int) -> dict:
         batch = collate(trajs, advantages.view(-1), policy.tokenizer.pad_token_id, policy.device)
         st = update(policy, optimizer, batch, cfg, gen, opt_step)
         opt_step += st.opt_steps
+        engine.load_weights(policy)  # a low-precision copy is refreshed from the new weights (part of the step's time)
         _sync(device)
         t2 = time.perf_counter()
 
@@ -339,6 +350,7 @@ def child_recursa(spec: dict, model_dir: str, steps: int) -> dict:
         rec.setdefault("update_flops_naive", []).append(update_flops(params, prompt + completion, completion))
         rec["update_flops"].append(update_flops(params, unique_prompt + completion, completion))
         rec["threads"].append(torch.get_num_threads())
+        rec.setdefault("logprob_mismatch", []).append(st.logprob_mismatch)
     rec.update(framework="recursa", n_sequences=B * G, params=params, init_s=init_s, peak_rss_mb=peak_rss_mb(), peak_gpu_mb=peak_gpu_mb())
     return rec
 
@@ -512,9 +524,13 @@ def child_trl(spec: dict, model_dir: str, steps: int) -> dict:
 
 
 def run_child(framework: str, spec: dict, model_dir: str, steps: int, timeout: float) -> dict:
+    """One run in its own interpreter; `framework` is recursa, trl or a decode variant of recursa."""
+    child = framework
+    if framework.startswith("recursa-"):
+        child, spec = "recursa", {**spec, "decode_dtype": framework.split("-", 1)[1]}
     with tempfile.TemporaryDirectory(prefix="vs_trl_child_") as tmp:
         result = Path(tmp) / "result.json"
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--_child", framework, "--_spec", json.dumps(spec), "--_model-dir", model_dir, "--steps", str(steps), "--_result", str(result)]
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--_child", child, "--_spec", json.dumps(spec), "--_model-dir", model_dir, "--steps", str(steps), "--_result", str(result)]
         env = dict(os.environ, OMP_NUM_THREADS=str(THREADS), MKL_NUM_THREADS=str(THREADS), TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONWARNINGS="ignore")
         t = time.perf_counter()
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
@@ -571,7 +587,15 @@ def summarise(runs: list[dict], peak_gflops: float) -> dict:
     out["update_model_gflops"] = upd
     out["mfu_gen"] = gen / peak_gflops if gen is not None else None
     out["mfu_update"] = upd / peak_gflops if upd is not None else None
+    gaps = [x for r in runs for x in r.get("logprob_mismatch", [])[1:] if x == x]  # the sampler's log-prob gap to the trainer's (NaN: none measured)
+    out["logprob_mismatch"] = statistics.mean(gaps) if gaps else None
     return out
+
+
+def frameworks_of(res: dict) -> list[str]:
+    """The frameworks measured in one setting's result, in table order: recursa, its decode variants, TRL."""
+    variants = sorted(k for k in res if k.startswith("recursa-") and isinstance(res[k], dict))
+    return [fw for fw in ("recursa", *variants, "trl") if res.get(fw)]
 
 
 def _fmt(x, spec="{:.2f}"):
@@ -592,10 +616,8 @@ def markdown(results: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, res in results["settings"].items():
-        for fw in FRAMEWORKS:
-            r = res.get(fw)
-            if r is None:
-                continue
+        for fw in frameworks_of(res):
+            r = res[fw]
             lines.append(
                 f"| {name} | {fw} | {r['mean_prompt_tokens']:.1f} | {_fmt(r['warmup_s_per_step'])} | {_fmt(r['median_s_per_step'], '{:.3f}')} | "
                 f"{_fmt(r['median_rollout_s'])} | {_fmt(r['median_update_s'])} | {_fmt(r['gen_tokens_per_s'], '{:.1f}')} | "
@@ -606,6 +628,11 @@ def markdown(results: dict) -> str:
     for name, res in results["settings"].items():
         if res.get("speedup") is not None:
             lines.append(f"- **{name}**: speedup {res['speedup']:.2f}x (TRL median s/step / recursa median s/step, warm-up step excluded; > 1 means recursa is faster).")
+        for fw, x in res.get("speedup_variants", {}).items():
+            if x is not None:
+                gap = res[fw]["logprob_mismatch"]
+                lines.append(f"- **{name}**, {fw}: speedup {x:.2f}x over TRL ({res['speedup_vs_recursa'][fw]:.2f}x over float32 recursa; "
+                             f"mean |log-prob gap| to the float32 trainer {_fmt(gap, '{:.4f}')} nats/token, corrected by TIS at cap {TIS_CAP}).")
     lines += ["", "MFU = model FLOP/s / measured fp32 matmul rate; see benchmarks/README.md for the FLOP formulas.", ""]
     return "\n".join(lines)
 
@@ -620,20 +647,21 @@ def plot(results: dict, path: Path) -> None:
     names = list(results["settings"])
     fig, axes = plt.subplots(len(names), 2, figsize=(11, 3.6 * len(names)), squeeze=False)
     colors = {"recursa": "tab:blue", "trl": "tab:orange"}
+    extra = iter(("tab:green", "tab:purple", "tab:brown"))
     for row, name in enumerate(names):
         res = results["settings"][name]
         ax = axes[row][0]
-        for fw in FRAMEWORKS:
-            if res.get(fw):
-                curve = res[fw]["reward_curve"]
-                ax.plot(range(1, len(curve) + 1), curve, marker="o", label=fw, color=colors[fw])
+        for fw in frameworks_of(res):
+            colors.setdefault(fw, next(extra, "tab:gray"))
+            curve = res[fw]["reward_curve"]
+            ax.plot(range(1, len(curve) + 1), curve, marker="o", label=fw, color=colors[fw])
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_title(f"{name}: mean reward per step")
         ax.set_xlabel("step")
         ax.set_ylabel("reward")
         ax.legend()
         ax = axes[row][1]
-        fws = [fw for fw in FRAMEWORKS if res.get(fw) and res[fw]["median_s_per_step"] is not None]
+        fws = [fw for fw in frameworks_of(res) if res[fw]["median_s_per_step"] is not None]
         vals = [res[fw]["median_s_per_step"] for fw in fws]
         ax.bar(fws, vals, color=[colors[fw] for fw in fws])
         for i, v in enumerate(vals):
@@ -690,6 +718,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny random model, 2 steps, short setting, tiny lengths (CI)")
     ap.add_argument("--recursa-only", action="store_true", help="measure only recursa (TRL not needed)")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds allowed for one run")
+    ap.add_argument("--recursa-decode", choices=("bfloat16", "int8"), help="also run recursa sampling with this low-precision copy of the weights "
+                    "(rollout.decode_dtype; the trainer stays float32, TIS corrects the gap), reported as its own entry")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where both frameworks train (default cpu; cuda: recursa model.device, TRL use_cpu=False)")
     ap.add_argument("--_child", choices=FRAMEWORKS, help=argparse.SUPPRESS)
     ap.add_argument("--_spec", help=argparse.SUPPRESS)
@@ -720,6 +750,8 @@ def main(argv: list[str] | None = None) -> int:
     if steps < 2:
         ap.error("--steps must be >= 2 (the first step is reported separately as warm-up)")
     frameworks = list(FRAMEWORKS) if with_trl else ["recursa"]
+    if a.recursa_decode:
+        frameworks.insert(1, DECODE_VARIANT.format(a.recursa_decode))
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -775,6 +807,11 @@ def main(argv: list[str] | None = None) -> int:
         rs = res["recursa"]["median_s_per_step"]
         ts = res["trl"]["median_s_per_step"] if with_trl else None
         res["speedup"] = ts / rs if (rs and ts) else None
+        variants = [fw for fw in frameworks if fw.startswith("recursa-")]
+        if variants:
+            vs = {fw: res[fw]["median_s_per_step"] for fw in variants}
+            res["speedup_variants"] = {fw: ts / v if (v and ts) else None for fw, v in vs.items()}
+            res["speedup_vs_recursa"] = {fw: rs / v if (v and rs) else None for fw, v in vs.items()}
         results["settings"][name] = res
     # the requested top-level shape: {"<setting>": {...}, "machine": {...}}
     flat = {**results["settings"], "machine": results["machine"], "meta": {k: results[k] for k in ("model", "steps", "repeats", "smoke")}}

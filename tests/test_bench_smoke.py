@@ -17,7 +17,7 @@ SCRIPT = REPO / "benchmarks" / "vs_trl.py"
 @pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="trl is not installed (pip install -e .[bench])")
 def test_vs_trl_smoke(tmp_path):
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--smoke", "--out", str(tmp_path)],
+        [sys.executable, str(SCRIPT), "--smoke", "--recursa-decode", "bfloat16", "--out", str(tmp_path)],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -45,6 +45,27 @@ def test_vs_trl_smoke(tmp_path):
     assert res["recursa"]["mean_prompt_tokens"] == res["trl"]["mean_prompt_tokens"] > 0
     assert (tmp_path / "vs_trl.md").read_text().startswith("# recursa vs TRL")
     assert (tmp_path / "vs_trl.png").stat().st_size > 0
+    # the bfloat16-decode entry is compared with TRL and with float32 recursa
+    assert res["speedup_variants"]["recursa-bfloat16"] > 0 and res["speedup_vs_recursa"]["recursa-bfloat16"] > 0
+    assert "recursa-bfloat16: speedup" in (tmp_path / "vs_trl.md").read_text()
+
+
+def test_vs_trl_decode_variant_is_its_own_entry(tmp_path):
+    """--recursa-decode bfloat16 runs recursa a second time with a bfloat16 sampling copy
+    (rollout.decode_dtype) and reports it beside float32 recursa: its own timings, and the
+    sampler's log-prob gap to the float32 trainer, which is 0 (to rounding) for float32 and
+    larger for the copy. Runs without TRL (--recursa-only)."""
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--recursa-only", "--recursa-decode", "bfloat16", "--out", str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads((tmp_path / "vs_trl.json").read_text())["short"]
+    fp32, bf16 = res["recursa"], res["recursa-bfloat16"]
+    assert bf16["median_s_per_step"] > 0 and len(bf16["reward_curve"]) == len(fp32["reward_curve"])
+    assert bf16["mean_prompt_tokens"] == fp32["mean_prompt_tokens"]  # the same prompts
+    assert fp32["logprob_mismatch"] < 1e-5 < bf16["logprob_mismatch"]
+    assert res["trl"] is None and res["speedup_variants"] == {"recursa-bfloat16": None}
+    assert res["speedup_vs_recursa"]["recursa-bfloat16"] > 0
+    assert "| short | recursa-bfloat16 |" in (tmp_path / "vs_trl.md").read_text()
 
 
 def test_vs_trl_without_trl_exits_2(tmp_path):
