@@ -702,6 +702,12 @@ def by_group(result: dict, labels: dict[int, str]) -> dict[str, dict[str, list[i
     return out
 
 
+def _game_name(result: dict) -> str:
+    """The env, and the benchmark's game when it differs (household from the light warm start: household_light)."""
+    game = result.get("game")
+    return result["env"] if not game or game == result["env"].replace(":", "_").replace("-", "_") else f"{result['env']} ({game})"
+
+
 def _fmt_cmp(c: dict | None) -> str:
     if c is None:
         return "-"
@@ -715,7 +721,7 @@ def _fmt_cmp(c: dict | None) -> str:
 def table(result: dict) -> str:
     b = result["budget"]
     lines = [
-        f"# Self-improvement on {result['env']}",
+        f"# Self-improvement on {_game_name(result)}",
         "",
         f"Warm start `{result['warm_start']}`; per run {b['steps']} steps x {b['prompts_per_step']} games x {b['group_size']} episodes "
         f"= {b['episodes']} training episodes (RSIPO's extra sampled episodes are counted in its curve); held-out: the first "
@@ -805,7 +811,7 @@ def plot(result: dict, path: Path) -> None:
     ax.set_xlim(-0.02 * xmax, 1.02 * xmax)
     ax.set_xlabel("episodes sampled (every episode the recipe played)")
     ax.set_ylabel(f"held-out success ({result['budget']['split']} split, greedy)")
-    ax.set_title(f"{result['env']}: held-out success vs episodes (Wilson 95% over pooled items; thin: seeds)")
+    ax.set_title(f"{_game_name(result)}: held-out success vs episodes (Wilson 95% over pooled items; thin: seeds)")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(True, alpha=0.3)
     ax.legend(loc="best", fontsize=8)
@@ -870,6 +876,7 @@ def main(argv: list[str] | None = None) -> int:
         B, G = setting_value(game, "train.prompts_per_step"), setting_value(game, "train.group_size")
         result = {
             "env": game["env"],
+            "game": game["slug"],
             "warm_start": game["warm_start"] or "the tiny model's initial weights",
             "budget": {"steps": steps, "prompts_per_step": B, "group_size": G, "episodes": steps * B * G, "eval_n": args.eval_n or game["eval_n"],
                        "eval_every": args.eval_every or game["eval_every"], "split": args.split,

@@ -858,3 +858,14 @@ def test_benchmark_table_reports_a_zero_bootstrap_p_as_below_one_over_the_resamp
     text = bench._fmt_cmp({"diff": 0.5, "diff_ci95": [0.3, 0.7], "p_greater": 0.001, "cluster_ci95": list(boot["ci95"]),
                            "cluster_p_greater": boot["p_greater"], "cluster_reps": boot["reps"]})
     assert "p<0.001)" in text and "p=0)" not in text
+
+
+def test_benchmark_names_the_game_when_it_is_not_the_env():
+    """Summaries of household from the light warm start say so in their title; a game named
+    after its env (twx:twc -> twx_twc, toy-corridor -> toy_corridor) is not repeated."""
+    name = _bench()._game_name
+    assert name({"env": "household", "game": "household_light"}) == "household (household_light)"
+    assert name({"env": "household", "game": "household"}) == "household"
+    assert name({"env": "twx:twc", "game": "twx_twc"}) == "twx:twc"
+    assert name({"env": "toy-corridor", "game": "toy_corridor"}) == "toy-corridor"
+    assert name({"env": "household"}) == "household"  # a summary written before the field existed
