@@ -349,7 +349,7 @@ def add_committed(result: dict, args, game: dict, seeds: list[int]) -> list[int]
     def unseeded(sets: list[str]) -> list[str]:
         return [x for x in sets if not x.startswith("train.seed=")]
 
-    found = []
+    found, warm = [], None
     for path in sorted((Path(args.results) / game["slug"]).glob("*_seed*.json")):
         name, _, seed = path.stem.rpartition("_seed")
         if not seed.isdigit() or (name, int(seed)) in have or (name == "warm_start" and "warm_start" in recipes):
@@ -363,7 +363,7 @@ def add_committed(result: dict, args, game: dict, seeds: list[int]) -> list[int]
             continue
         if name == "warm_start":
             if spec == run_spec("warm_start", int(seed), args, game):
-                found.append((name, int(seed), entry, path))
+                warm = entry
             continue
         if sorted(x for x in spec["sets"] if x.startswith(keys)) != want:
             continue
@@ -371,20 +371,17 @@ def add_committed(result: dict, args, game: dict, seeds: list[int]) -> list[int]
             continue
         found.append((name, int(seed), entry, path))
     for name, seed, entry, path in found:
-        if name == "warm_start":
-            continue
         extra = [x for x in entry["spec"]["sets"] if x not in mine["sets"]]
         recipes.setdefault(name, {"recipe": entry["spec"]["recipe"], "sets": extra, "seeds": []})["seeds"].append(entry)
         print(f"{game['env']:>10} {name:>14} seed {seed}: committed result of an earlier invocation ({path.name})", flush=True)
     all_seeds = sorted({*seeds, *(s["seed"] for name, entry in recipes.items() if name != "warm_start" for s in entry["seeds"])})
     for entry in recipes.values():
         entry["seeds"].sort(key=lambda s: s["seed"])
-    warm = next((e for n, _, e, _ in found if n == "warm_start"), None)
     if "warm_start" in recipes:
         ws = recipes["warm_start"]["seeds"][0]
         recipes["warm_start"]["seeds"] = [{**ws, "seed": s} for s in all_seeds]
     elif warm is not None:  # first in the summary, as when this invocation evaluates it
-        result["recipes"] = {"warm_start": {"recipe": "grpo", "sets": [], "seeds": [{**warm, "seed": s} for s in all_seeds]}, **recipes}
+        result["recipes"] = {"warm_start": {"recipe": recipe_spec("warm_start", game)[0], "sets": [], "seeds": [{**warm, "seed": s} for s in all_seeds]}, **recipes}
         print(f"{game['env']:>10}     warm_start: committed result of an earlier invocation", flush=True)
     return all_seeds
 

@@ -43,7 +43,7 @@ FRAMEWORKS = ("recursa", "trl")
 # recursa with a low-precision sampling copy of the weights (--recursa-decode): an entry of its
 # own, run and reported beside plain recursa; the trainer stays float32 and the gap between the
 # copy's and the trainer's log-probs is corrected by truncated importance sampling (TIS_CAP)
-DECODE_VARIANT = "recursa-{}"
+VARIANT_PREFIX = "recursa-"  # + the decode dtype: "recursa-bfloat16"
 TIS_CAP = 2.0
 DEFAULT_SYSTEM = "You are a helpful assistant."  # recursa's default model.system_prompt
 AGENT_SYSTEM = (
@@ -526,8 +526,8 @@ def child_trl(spec: dict, model_dir: str, steps: int) -> dict:
 def run_child(framework: str, spec: dict, model_dir: str, steps: int, timeout: float) -> dict:
     """One run in its own interpreter; `framework` is recursa, trl or a decode variant of recursa."""
     child = framework
-    if framework.startswith("recursa-"):
-        child, spec = "recursa", {**spec, "decode_dtype": framework.split("-", 1)[1]}
+    if framework.startswith(VARIANT_PREFIX):
+        child, spec = "recursa", {**spec, "decode_dtype": framework.removeprefix(VARIANT_PREFIX)}
     with tempfile.TemporaryDirectory(prefix="vs_trl_child_") as tmp:
         result = Path(tmp) / "result.json"
         cmd = [sys.executable, str(Path(__file__).resolve()), "--_child", child, "--_spec", json.dumps(spec), "--_model-dir", model_dir, "--steps", str(steps), "--_result", str(result)]
@@ -594,7 +594,7 @@ def summarise(runs: list[dict], peak_gflops: float) -> dict:
 
 def frameworks_of(res: dict) -> list[str]:
     """The frameworks measured in one setting's result, in table order: recursa, its decode variants, TRL."""
-    variants = sorted(k for k in res if k.startswith("recursa-") and isinstance(res[k], dict))
+    variants = sorted(k for k in res if k.startswith(VARIANT_PREFIX) and isinstance(res[k], dict))
     return [fw for fw in ("recursa", *variants, "trl") if res.get(fw)]
 
 
@@ -751,7 +751,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--steps must be >= 2 (the first step is reported separately as warm-up)")
     frameworks = list(FRAMEWORKS) if with_trl else ["recursa"]
     if a.recursa_decode:
-        frameworks.insert(1, DECODE_VARIANT.format(a.recursa_decode))
+        frameworks.insert(1, VARIANT_PREFIX + a.recursa_decode)
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -807,7 +807,7 @@ def main(argv: list[str] | None = None) -> int:
         rs = res["recursa"]["median_s_per_step"]
         ts = res["trl"]["median_s_per_step"] if with_trl else None
         res["speedup"] = ts / rs if (rs and ts) else None
-        variants = [fw for fw in frameworks if fw.startswith("recursa-")]
+        variants = [fw for fw in frameworks if fw.startswith(VARIANT_PREFIX)]
         if variants:
             vs = {fw: res[fw]["median_s_per_step"] for fw in variants}
             res["speedup_variants"] = {fw: ts / v if (v and ts) else None for fw, v in vs.items()}
