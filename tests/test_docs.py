@@ -250,6 +250,27 @@ def test_site_hooks_rewrite_repository_links():
     assert hooks.rewrite_links(page, "docs/guides", "guides/gpu.md") == "[bench](../benchmarks.md), [install](../install.md), [lora](lora.md#x)"
 
 
+def test_site_hooks_copy_images_from_outside_docs():
+    """An image the README (the site's home page) or a docs page shows from outside docs/ is
+    copied into the site at its repository path, and the link points at the copy; CI's
+    `mkdocs build --strict` failed on a README plot before this."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("mkdocs_hooks", ROOT / "scripts" / "mkdocs_hooks.py")
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    readme = "![plot](benchmarks/results/a.png) and ![web](https://example.org/b.png) and ![d](docs/c.png)"
+    assert hooks.outside_images(readme, "") == ["benchmarks/results/a.png"]
+    assert hooks.rewrite_images(readme, "", "index.md") == (
+        "![plot](benchmarks/results/a.png) and ![web](https://example.org/b.png) and ![d](c.png)")
+    page = "![plot](../../benchmarks/results/a.png) ![own](fig.png)"
+    assert hooks.outside_images(page, "docs/guides") == ["benchmarks/results/a.png"]
+    assert hooks.rewrite_images(page, "docs/guides", "guides/gpu.md") == "![plot](../benchmarks/results/a.png) ![own](fig.png)"
+    for m in re.finditer(r"!\[[^\]]*\]\(([^)\s]+)\)", (ROOT / "README.md").read_text()):
+        if not re.match(r"^[a-z]+:", m.group(1)):
+            assert (ROOT / m.group(1)).is_file(), f"README shows a missing image: {m.group(1)}"
+
+
 def _links(path: Path) -> list[str]:
     text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
     return re.findall(r"(?<!!)\[[^\]]+\]\(([^)\s]+)\)", text)
