@@ -988,6 +988,12 @@ class SkillsConfig(_Section):
 
     enabled: bool = Field(True, description="write skills each step (needed by teacher.source = 'skill')")
     write_per_group: int = Field(2, ge=0, description="trajectories per group that get skills written: alternately a success and a failure, where present")
+    sources: Literal["both", "wins"] = Field(
+        "both",
+        description="which attempts skills are written from: both (a success and a failure alternately) or wins (successes only: a group with no win "
+        "writes nothing; with skills.contrastive a mixed group still writes its success-beside-failure pair); pair wins with admit_min_reward = 0 "
+        "to keep only skills whose replay reward is positive",
+    )
     candidates: int = Field(4, ge=1, description="K: candidate skills sampled per trajectory (one batched generate call)")
     max_new_tokens: int = Field(32, gt=0, description="length cap of a written skill, in tokens")
     temperature: float = Field(1.0, gt=0, description="sampling temperature of skill writing")

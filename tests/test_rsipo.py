@@ -398,23 +398,23 @@ def test_example_configs_run_one_step(tmp_path, path):
     run = rsipo.train(cfg, tmp_path / path.stem, log=lambda *_: None)
     (row,) = _train_rows(run)
     name = path.stem
-    assert ("teacher/rows_frac" in row) == (name != "grpo")
-    assert ("skills/written" in row) == (name not in ("grpo", "opsd", "opsd_centered", "sdpo"))
+    assert ("teacher/rows_frac" in row) == (name not in ("grpo", "rerolls"))
+    assert ("skills/written" in row) == (name not in ("grpo", "opsd", "opsd_centered", "sdpo", "rerolls"))
     if name in ("opsd", "opsd_centered"):
         assert row["teacher/rows_frac"] == 1.0  # every household game has a walkthrough
     if name == "seed":
         assert "teacher/imitation_weight_mean" in row
     if name == "no_replay":
         assert row["skills/writing_rows"] == 0 and row["skills/replayed_mean"] == 0
-    assert ("hatch/groups" in row) == (name in ("hatch", "hatch_oracle", "drift", "signals"))
-    assert ("teacher/critical_matched_frac" in row) == (name in ("opid_critical", "signals"))
+    assert ("hatch/groups" in row) == (name in ("hatch", "hatch_oracle", "drift", "signals", "signals_wins", "rerolls"))
+    assert ("teacher/critical_matched_frac" in row) == (name in ("opid_critical", "signals", "signals_wins"))
     assert row["episodes/sampled"] == 2 * 2 + row.get("hatch/episodes", 0)  # B x G, plus the hinted re-rolls
 
 
 def test_ablation_configs_cover_the_spec():
     names = {p.stem for p in ABLATIONS}
     assert names == {"grpo", "opsd", "opsd_centered", "sdpo", "opid", "seed", "srpo", "scsdpo", "no_replay",
-                     "hatch", "hatch_oracle", "drift", "opid_critical", "contrastive", "curated", "signals"}
+                     "hatch", "hatch_oracle", "drift", "opid_critical", "contrastive", "curated", "signals", "signals_wins", "rerolls"}
     switches = {
         "grpo": lambda c: c.teacher.source == "none" and c.teacher.lam == 0 and not c.skills.enabled,
         "opsd": lambda c: c.teacher.source == "reference" and c.teacher.center == "none",
@@ -433,6 +433,9 @@ def test_ablation_configs_cover_the_spec():
         "curated": lambda c: c.skills.curate and not c.skills.contrastive,
         "signals": lambda c: c.hatch.enabled and c.route.mode == "pass_rate" and c.teacher.critical == "from" and c.skills.contrastive and c.skills.curate
         and c.skills.eval_both,
+        "signals_wins": lambda c: c.hatch.enabled and c.route.mode == "pass_rate" and c.teacher.critical == "from" and c.trust.mode == "calibrated"
+        and c.skills.sources == "wins" and c.skills.admit_min_reward == 0.0 and c.skills.eval_both,
+        "rerolls": lambda c: c.hatch.enabled and c.route.mode == "pass_rate" and c.teacher.source == "none" and not c.skills.enabled,
     }
     for p in ABLATIONS:
         assert switches[p.stem](load_config(p)), p.stem

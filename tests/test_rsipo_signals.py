@@ -253,6 +253,37 @@ def test_choose_contrasts_pairs_a_success_with_a_failure():
     assert partners[1:] == [None, None] and all(4 <= j < 8 for j in sources[1:])
 
 
+def test_skills_from_wins_only():
+    """skills.sources = "wins": only successes are sources; a group that never won writes
+    nothing, in plain and in contrastive writing (where a mixed group keeps its pair)."""
+    def att(ok):
+        return Attempt("e", 0, 1, 0, ok, "t", [Context(None, "o")], [[1]], ["r"])
+
+    attempts = [att(x) for x in (False, True, False, True, False, False, False, False, True, True, True, True)]  # mixed, all-fail, all-win
+    picked = rsipo.choose_sources(attempts, 3, 4, 2, torch.Generator().manual_seed(0), wins_only=True)
+    assert sorted(picked[:2]) == [1, 3] and len(picked) == 4 and all(8 <= j < 12 for j in picked[2:])
+    both = rsipo.choose_sources(attempts, 3, 4, 2, torch.Generator().manual_seed(0))
+    assert len(both) == 6 and sum(4 <= j < 8 for j in both) == 2  # the default still writes from the all-fail group
+    sources, partners = rsipo.choose_contrasts(attempts, 3, 4, 1, torch.Generator().manual_seed(0), wins_only=True)
+    assert len(sources) == 2 and not attempts[sources[0]].success and partners[0] in (1, 3)  # the mixed group's pair
+    assert sources[1] >= 8 and partners[1] is None  # the all-win group; the all-fail group wrote nothing
+    assert rsipo.choose_sources([att(False)] * 4, 1, 4, 2, torch.Generator(), wins_only=True) == []
+
+
+def test_skills_from_wins_only_in_the_recipe(tmp_path):
+    """skills.sources = "wins" end to end on toy-parity (even seeds' groups all win, odd
+    seeds' all fail): every candidate is written from a success, write_per_group sources per
+    all-win group and none from the all-fail groups; the run finishes."""
+    cfg = _cfg("env.name=toy-parity", "train.steps=2", "train.prompts_per_step=4", "train.group_size=2", "skills.sources=wins", "skills.candidates=2",
+               "skills.write_per_group=1", "sampling.max_new_tokens=6")
+    run = rsipo.train(cfg, tmp_path / "wins", log=lambda *_: None)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"skills/sources"' in line]
+    assert len(rows) == 2 and all(r["skills/sources"] == r["route/all_win"] for r in rows)
+    assert sum(r["route/all_fail"] for r in rows) > 0 and sum(r["route/all_win"] for r in rows) > 0  # both kinds of group occurred
+    records = [json.loads(line) for line in (run / "skills.jsonl").read_text().splitlines()]
+    assert len(records) == 2 * sum(r["skills/sources"] for r in rows) and all(r["source_success"] for r in records)
+
+
 def test_contrastive_writing_in_the_recipe(tmp_path, monkeypatch):
     text = "When the item is odd, reply short, not long."
     monkeypatch.setattr(rsipo, "parse_skill", _valid(text))

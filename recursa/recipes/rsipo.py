@@ -10,7 +10,8 @@
         buffer     <- this step's attempts join the replay buffer (replay.jsonl, for resume)
         routes     <- each group is all_fail, mixed or all_win (route/* metrics; [route] acts on them)
         write      <- per group up to `skills.write_per_group` attempts (a success and a failure, where
-                      present; with skills.contrastive one success/failure pair, shown together) are shown to the
+                      present, or with skills.sources = "wins" successes only; with skills.contrastive one
+                      success/failure pair, shown together) are shown to the
                       policy, which samples K candidate skills for each in one batched generate call; parse_skill
                       drops malformed ones (counted, never fatal), and with skills.curate so does the curator
                       (single actions of the episode, fragments)
@@ -310,20 +311,23 @@ def alternate(candidates: list[int], success: list[bool], n: int, gen: torch.Gen
     return picked
 
 
-def choose_sources(attempts: list[Attempt], groups: int, size: int, per_group: int, gen: torch.Generator) -> list[int]:
+def choose_sources(attempts: list[Attempt], groups: int, size: int, per_group: int, gen: torch.Generator, wins_only: bool = False) -> list[int]:
     """Attempt indices that get skills written: per group up to `per_group`, a success and a
-    failure where present (`alternate`)."""
+    failure where present (`alternate`); with `wins_only` (skills.sources = "wins") only
+    successes, so a group that never won writes nothing."""
     chosen = []
     for b in range(groups):
-        members = list(range(b * size, (b + 1) * size))
+        members = [i for i in range(b * size, (b + 1) * size) if attempts[i].success or not wins_only]
         chosen.extend(alternate(members, [attempts[i].success for i in members], per_group, gen))
     return chosen
 
 
-def choose_contrasts(attempts: list[Attempt], groups: int, size: int, per_group: int, gen: torch.Generator) -> tuple[list[int], list[int | None]]:
+def choose_contrasts(attempts: list[Attempt], groups: int, size: int, per_group: int, gen: torch.Generator,
+                     wins_only: bool = False) -> tuple[list[int], list[int | None]]:
     """skills.contrastive: per group with a success and a failure, one pair (the failure is the
     source, the success its partner); per other group, up to `per_group` single attempts as
-    `choose_sources` picks them. Returns (sources, partners), partner None for a single."""
+    `choose_sources` picks them (with `wins_only`, an all-fail group writes nothing).
+    Returns (sources, partners), partner None for a single."""
     sources, partners = [], []
     for b in range(groups):
         members = list(range(b * size, (b + 1) * size))
@@ -332,7 +336,7 @@ def choose_contrasts(attempts: list[Attempt], groups: int, size: int, per_group:
             win, loss = alternate(members, outcomes, 2, gen)  # a success first, then a failure
             sources.append(loss)
             partners.append(win)
-        else:
+        elif not (wins_only and not any(outcomes)):
             picked = alternate(members, outcomes, per_group, gen)
             sources.extend(picked)
             partners.extend([None] * len(picked))
@@ -506,9 +510,9 @@ def learn_skills(policy: Policy, attempts: list[Attempt], buffer: list[Attempt],
     B, G = cfg.train.prompts_per_step, cfg.train.group_size
     stats = SkillWritingStats()
     if sc.contrastive:
-        sources, partners = choose_contrasts(attempts, B, G, sc.write_per_group, gen)
+        sources, partners = choose_contrasts(attempts, B, G, sc.write_per_group, gen, sc.sources == "wins")
     else:
-        sources, partners = choose_sources(attempts, B, G, sc.write_per_group, gen), None
+        sources, partners = choose_sources(attempts, B, G, sc.write_per_group, gen, sc.sources == "wins"), None
     writing = write_skills(policy, attempts, sources, cfg, system, gen, stats, partners)
     replay: list[torch.Tensor | None] = [None] * len(sources)
     replayed = [0] * len(sources)
