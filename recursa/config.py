@@ -393,6 +393,12 @@ class AlgoConfig(_Section):
     agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field("token-mean", description="loss aggregation")
     kl_coef: float = Field(0.0, ge=0, description="weight of the KL-to-reference penalty in the loss (0 = off, no reference kept)")
     kl_estimator: Literal["k1", "k3"] = Field("k3", description="per-token KL estimator")
+    entropy_coef: float = Field(
+        0.0, ge=0,
+        description="entropy bonus: the loss subtracts entropy_coef x the policy's entropy at the action tokens (at the sampling temperature), "
+        "aggregated like the policy loss; keeps a near-deterministic policy exploring. 0: off; with it every row runs in the update, "
+        "zero-advantage rows included (they still carry the bonus)",
+    )
     step_advantage: Literal["none", "gigpo"] = Field("none", description="multi-turn games: add GiGPO's step-level advantage (anchor-state groups)")
     gigpo_gamma: float = Field(0.95, ge=0, le=1, description="discount of the step returns in GiGPO")
     gigpo_weight: float = Field(1.0, ge=0, description="weight of the step term: A = A_episode + weight * A_step")
@@ -428,7 +434,7 @@ class TrainConfig(OptimConfig):
         description="old log-probs for the PPO ratio: recomputed by the trainer (free when there is one optimizer step per batch) or the sampler's",
     )
     shared_prefix: bool = Field(True, description="run each distinct prompt once per micro-batch in the update (same gradient, less work)")
-    skip_zero_advantage: bool = Field(True, description="skip forward/backward of rows whose advantage is 0 when there is no KL term (same gradient, less work)")
+    skip_zero_advantage: bool = Field(True, description="skip forward/backward of rows whose advantage is 0 when there is no KL term or entropy bonus (same gradient, less work)")
     skip_empty_steps: bool = Field(
         False,
         description="an optimizer step whose every row has a zero training signal (advantage 0, no KL or imitation term: every group "

@@ -287,12 +287,14 @@ def sequence_logprobs(
     temperature: float = 1.0,
     chunk: int = 512,
     with_entropy: bool = False,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probabilities of the action tokens under the (temperature-scaled) policy.
 
     input_ids, attention_mask, action_mask: (N, L), right-padded. Returns
     `logp  # (N, L)` with log pi(token_t | tokens_<t) at action positions and 0 elsewhere,
-    and optionally the policy entropy at the same positions (detached, for logging).
+    and optionally the policy entropy at the same positions (detached, for logging; with
+    `entropy_grad` attached to the graph, for an entropy bonus in the loss).
     The vocabulary projection and log-softmax run only at the positions that predict an
     action token, `chunk` positions at a time: never an (N, L, V) tensor.
     """
@@ -302,27 +304,27 @@ def sequence_logprobs(
     rows, cols = targets.nonzero(as_tuple=True)
     h = hidden[:, :-1][rows, cols]  # (K, H)
     next_tokens = input_ids[:, 1:][rows, cols]  # (K,)
-    return _project(lm_head, h, next_tokens, (rows, cols + 1), input_ids.shape, temperature, chunk, with_entropy)
+    return _project(lm_head, h, next_tokens, (rows, cols + 1), input_ids.shape, temperature, chunk, with_entropy, entropy_grad)
 
 
-def _project(lm_head, h, targets, where, shape, temperature, chunk, with_entropy):
+def _project(lm_head, h, targets, where, shape, temperature, chunk, with_entropy, entropy_grad=False):
     """log pi(target | h) for K hidden states `h  # (K, H)`, `chunk` rows of the vocabulary
-    projection at a time, scattered into an (N, L) tensor at `where` (and the entropy)."""
+    projection at a time, scattered into an (N, L) tensor at `where` (and the entropy,
+    detached unless `entropy_grad`)."""
     scale = 1.0 / temperature if temperature > 0 else 1.0
     pieces, ents = [], []
     for s in range(0, h.shape[0], chunk):
         logp_all = F.log_softmax(lm_head(h[s : s + chunk]).float() * scale, dim=-1)  # (k, V)
         pieces.append(logp_all.gather(-1, targets[s : s + chunk, None]).squeeze(-1))
         if with_entropy:
-            with torch.no_grad():
+            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
                 ents.append(-(logp_all.exp() * logp_all).sum(-1))
     flat = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.float32, device=h.device)
     logp = torch.zeros(shape, dtype=torch.float32, device=h.device).index_put(where, flat)
     entropy = None
     if with_entropy:
-        entropy = torch.zeros(shape, dtype=torch.float32, device=h.device)
-        if ents:
-            entropy[where] = torch.cat(ents)
+        flat_ent = torch.cat(ents) if ents else torch.zeros(0, dtype=torch.float32, device=h.device)
+        entropy = torch.zeros(shape, dtype=torch.float32, device=h.device).index_put(where, flat_ent)
     return logp, entropy
 
 
@@ -342,6 +344,7 @@ def shared_prefix_logprobs(
     temperature: float = 1.0,
     chunk: int = 512,
     with_entropy: bool = False,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`sequence_logprobs`, computing each distinct prompt once.
 
@@ -388,4 +391,4 @@ def shared_prefix_logprobs(
     rows, cols = s_act.bool().nonzero(as_tuple=True)
     h = pred[rows, cols]  # (K, H)
     targets = s_ids[rows, cols]  # (K,)
-    return _project(lm_head, h, targets, (rows, first[rows] + cols), (n, length), temperature, chunk, with_entropy)
+    return _project(lm_head, h, targets, (rows, first[rows] + cols), (n, length), temperature, chunk, with_entropy, entropy_grad)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 from recursa.config import ModelConfig, load_config
@@ -172,3 +173,90 @@ def test_an_empty_step_moves_adamw_on_momentum_unless_skipped():
         else:
             assert second.opt_steps == 1 and second.skipped_steps == 0
             assert 0.6e-3 < moved < 0.75e-3  # ~0.67 lr on the weights whose first gradient was large against eps
+
+
+# ----------------------------------------------------------------------------- entropy bonus
+
+
+def test_entropy_bonus_by_hand():
+    from recursa.algorithms.losses import entropy_bonus
+
+    ent = torch.tensor([[0.5, 1.0, 9.0], [2.0, 9.0, 9.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    # token-mean: -0.1 x (0.5 + 1 + 2) / 3; seq-mean-token-mean: -0.1 x (1.5 / 2 + 2 / 1) / 2; sum-norm at L = 4: -0.1 x (1.5 / 4 + 2 / 4) / 2
+    assert entropy_bonus(ent, mask, 0.1, "token-mean").item() == pytest.approx(-0.1 * 3.5 / 3)
+    assert entropy_bonus(ent, mask, 0.1, "seq-mean-token-mean").item() == pytest.approx(-0.1 * (0.75 + 2.0) / 2)
+    assert entropy_bonus(ent, mask, 0.1, "seq-mean-token-sum-norm", norm_len=4).item() == pytest.approx(-0.1 * (1.5 / 4 + 2 / 4) / 2)
+    halves = entropy_bonus(ent[:1], mask[:1], 0.1, "token-mean", num_tokens=3) + entropy_bonus(ent[1:], mask[1:], 0.1, "token-mean", num_tokens=3)
+    assert halves.item() == pytest.approx(entropy_bonus(ent, mask, 0.1, "token-mean").item())  # micro-batches add up
+
+
+def test_entropy_with_gradient_equals_the_logged_entropy_and_its_gradient_is_the_full_logits_one():
+    """`entropy_grad` gives the same values as the logged (detached) entropy, attached to the
+    graph; its gradient equals the gradient of entropy_from_logits on the full logits, in the
+    plain and in the shared-prefix forward."""
+    from recursa.algorithms.losses import entropy_from_logits
+    from recursa.generation import sequence_logprobs, shared_prefix_logprobs
+
+    policy = load_policy(ModelConfig(name="tiny-random"))
+    model = policy.causal_lm
+    batch = _batch(policy)
+    _, logged = sequence_logprobs(model, batch.input_ids, batch.attention_mask, batch.action_mask, temperature=0.8, with_entropy=True)
+    assert not logged.requires_grad
+    grads = {}
+    for name, fn in (("plain", sequence_logprobs), ("shared", shared_prefix_logprobs)):
+        model.zero_grad(set_to_none=True)
+        _, ent = fn(model, batch.input_ids, batch.attention_mask, batch.action_mask, temperature=0.8, with_entropy=True, entropy_grad=True)
+        assert ent.requires_grad
+        torch.testing.assert_close(ent.detach(), logged, atol=1e-5, rtol=1e-5)
+        (ent * batch.action_mask).sum().backward()
+        grads[name] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1].float() / 0.8  # position t-1 predicts token t
+    direct = (entropy_from_logits(logits) * batch.action_mask[:, 1:]).sum()
+    direct.backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    for name in grads:
+        assert grads[name].keys() == ref.keys()
+        for k in ref:
+            assert (grads[name][k] - ref[k]).norm() <= 1e-4 * ref[k].norm() + 1e-7, (name, k)
+
+
+def test_entropy_bonus_runs_zero_advantage_rows_and_raises_the_entropy():
+    """With every advantage 0 the policy gradient is 0; the bonus alone runs every row and its
+    steps raise the entropy at the action tokens. Off, the update runs no row."""
+    from recursa.generation import sequence_logprobs
+
+    policy = load_policy(ModelConfig(name="tiny-random"))
+    batch = _batch(policy)
+    batch.advantages.zero_()
+    st = update(policy, torch.optim.AdamW(policy.causal_lm.parameters(), lr=1e-3), batch, _cfg(), torch.Generator().manual_seed(0), 0)
+    assert st.rows_run == 0
+
+    def entropy():
+        with torch.no_grad():
+            _, e = sequence_logprobs(policy.causal_lm, batch.input_ids, batch.attention_mask, batch.action_mask, with_entropy=True)
+        return ((e * batch.action_mask).sum() / batch.action_mask.sum()).item()
+
+    before = entropy()
+    cfg = _cfg("algo.entropy_coef=1.0", "train.lr=1e-2")
+    opt = torch.optim.AdamW(policy.causal_lm.parameters(), lr=1e-2)
+    for step in range(3):
+        st = update(policy, opt, batch, cfg, torch.Generator().manual_seed(step), step)
+        assert st.rows_run == len(batch.advantages)
+    assert entropy() > before + 1e-3
+    # the bonus adds -coef x token-mean entropy to the loss: with zero advantages the logged loss is that term
+    assert st.loss == pytest.approx(-st.entropy, rel=1e-4)
+
+
+def test_entropy_bonus_micro_batches_add_up():
+    policy = load_policy(ModelConfig(name="tiny-random"))
+    batch = _batch(policy)
+    for agg in ("token-mean", "seq-mean-token-mean"):
+        full = _grads_after(policy, batch, _cfg(f"algo.agg={agg}", "algo.entropy_coef=0.05", "train.micro_batch_size=8"))
+        micro = _grads_after(policy, batch, _cfg(f"algo.agg={agg}", "algo.entropy_coef=0.05", "train.micro_batch_size=3"))
+        plain = _grads_after(policy, batch, _cfg(f"algo.agg={agg}", "train.micro_batch_size=8"))
+        assert full.keys() == micro.keys() and full
+        assert any((full[k] - plain[k]).norm() > 1e-6 for k in full)  # the bonus changes the gradient
+        for k in full:
+            assert (full[k] - micro[k]).norm() <= 1e-5 * full[k].norm() + 1e-8, (agg, k)

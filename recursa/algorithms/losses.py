@@ -52,6 +52,14 @@ token's clipped surrogate is then weighted by
 (``truncated_is_weights``; ``ppo_clip_loss(token_weights=w)``), the KL term is not. C = None
 is off (w = 1, exactly the loss without the option).
 
+Entropy bonus (``entropy_bonus``; as verl's ``entropy_coeff``): the policy's entropy H_t at each
+action position, aggregated like the policy loss, is subtracted from it,
+
+    loss -= entropy_coef * agg(H)
+
+so the gradient raises the entropy of the next-token distribution where the policy acts.
+Aggregated with the same counts, micro-batches add up to the full batch's bonus.
+
 ``logp_old``, ``advantages``, ``logp_ref`` and ``token_weights`` are treated as constants (detached).
 
 The log-ratio logp - logp_old is clamped to [-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP] = [-20, 20]
@@ -70,6 +78,7 @@ __all__ = [
     "AGG_MODES",
     "KL_ESTIMATORS",
     "aggregate",
+    "entropy_bonus",
     "masked_mean",
     "kl_estimate",
     "ppo_clip_loss",
@@ -311,6 +320,21 @@ def ppo_clip_loss(
         ).tolist()  # one device sync for all stats
     names = ("clip_frac", "dual_clip_frac", "ratio_mean", "ratio_max", "kl", "approx_kl_old")
     return loss, dict(zip(names, stat_values))
+
+
+def entropy_bonus(
+    entropy: torch.Tensor,
+    mask: torch.Tensor,
+    coef: float,
+    mode: str,
+    *,
+    num_tokens: Optional[Count] = None,
+    num_seqs: Optional[Count] = None,
+    norm_len: Optional[Count] = None,
+) -> torch.Tensor:
+    """The loss term -coef * agg(entropy) for per-token entropies ``entropy  # (B, T)`` (attached
+    to the graph) under ``mask  # (B, T)``, aggregated as ``aggregate`` does with the same counts."""
+    return -coef * aggregate(entropy, mask, mode, num_tokens=num_tokens, num_seqs=num_seqs, norm_len=norm_len)
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:

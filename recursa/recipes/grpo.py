@@ -17,7 +17,8 @@
                       over each seed's roots and continuations + w x the estimator within each
                       branch on the turns from the branch point, recursa/algorithms/branching.py)
         update     <- epochs x mini-batches of the objective's loss (`algo.objective`: PPO-clip by
-                      default; SPO, GPG, REBEL, NFT, A*-PO through the table `LOSSES`), micro-batched
+                      default; SPO, GPG, REBEL, NFT, A*-PO through the table `LOSSES`; minus
+                      `algo.entropy_coef` x the entropy at the action tokens), micro-batched
                       with gradient accumulation, each distinct prompt computed once per micro-batch
         [rloop     <- `rloop.enabled`: the step's successes join the harvest; every `rloop.rl_steps`
                       steps the phase ends: reset to the phase's starting weights, fine-tune on
@@ -54,7 +55,7 @@ import torch
 from recursa.algorithms.advantages import compute_advantages
 from recursa.algorithms.distill import imitation_loss
 from recursa.algorithms.gigpo import step_advantages
-from recursa.algorithms.losses import ppo_clip_loss, truncated_is_weights
+from recursa.algorithms.losses import entropy_bonus, ppo_clip_loss, truncated_is_weights
 from recursa.algorithms.objectives import (
     apo_loss, apo_values, nft_loss, pg_loss, ratio_stats, rebel_loss, sequence_sums, sequence_surrogate, sequence_weights, spo_loss,
 )
@@ -302,7 +303,8 @@ def update(
             for lo in range(0, len(mine), tc.micro_batch_size):
                 idx = mine[lo : lo + tc.micro_batch_size]
                 mb = batch.select(idx)
-                logp, ent = logprobs(model, mb.input_ids, mb.attention_mask, mb.action_mask, temperature, tc.logit_chunk, with_entropy=True)
+                logp, ent = logprobs(model, mb.input_ids, mb.attention_mask, mb.action_mask, temperature, tc.logit_chunk, with_entropy=True,
+                                     entropy_grad=ac.entropy_coef > 0)
                 L = logp.shape[1]
                 logp_old = logp.detach() if logp_old_all is None else logp_old_all[idx, :L]
                 # the trainer's log-probs at the rollout's weights: the old policy when recomputed,
@@ -322,6 +324,9 @@ def update(
                 if sequence_objective:
                     inputs.seq_weight, inputs.seq_share = seq_weight[idx], seq_value * len(idx) / len(work)
                 loss, st = LOSSES[ac.objective](inputs, ac)
+                if ac.entropy_coef > 0:
+                    loss = loss + entropy_bonus(ent, mb.action_mask, ac.entropy_coef, ac.agg, num_tokens=num_tokens, num_seqs=len(mb_idx),
+                                                norm_len=cfg.sampling.max_new_tokens)
                 if imitation is not None and imitation.coef > 0:
                     weights = imitation.weights[idx, :L]
                     loss = loss + imitation.coef * imitation_loss(logp, weights, mb.action_mask, num_tokens=num_tokens)
@@ -408,9 +413,9 @@ def _sequence_weights(policy: Policy, batch: TrainBatch, cfg: GRPOConfig, outcom
 def _live_rows(signal: torch.Tensor, cfg: GRPOConfig, imitation: Imitation | None, idx: torch.Tensor | None = None) -> torch.Tensor:
     """Which rows (of `idx`, default all) `update` runs, a bool (len,): those with a nonzero
     `signal` (per row (N,) or per token (N, L); the advantages for PPO-clip) or imitation weight.
-    Every row when `train.skip_zero_advantage` is off or a KL term reads every row."""
+    Every row when `train.skip_zero_advantage` is off or a KL term or entropy bonus reads every row."""
     n = len(signal) if idx is None else len(idx)
-    if not (cfg.train.skip_zero_advantage and cfg.algo.kl_coef == 0):
+    if not (cfg.train.skip_zero_advantage and cfg.algo.kl_coef == 0 and cfg.algo.entropy_coef == 0):
         return torch.ones(n, dtype=torch.bool, device=signal.device)
     sig = signal if idx is None else signal[idx]
     live = sig != 0
