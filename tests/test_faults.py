@@ -115,6 +115,28 @@ def test_kill_during_resume_truncation(killed_runs):
     _assert_consistent(run)
 
 
+@pytest.mark.parametrize("recipe", ["grpo", "rsipo"])
+def test_kill_during_a_mid_run_evaluation_keeps_the_training_before_it(tmp_path, recipe):
+    """The evaluation every eval.every steps comes after that step's checkpoint: a kill while it
+    runs loses no training, and the resumed run evaluates there first, then goes on as the
+    uninterrupted run did (same metrics, same evaluated items)."""
+    config = SMOKE if recipe == "grpo" else str(ROOT / "examples" / "rsipo_smoke.toml")
+    sets = [*SETS, "--set", "eval.every=1"] + ([] if recipe == "grpo" else ["--set", "skills.candidates=2"])
+    ref, run = tmp_path / "ref", tmp_path / "killed"
+    assert main(["train", config, "--out", str(ref), *sets]) == 0
+    (outcome,) = _runner([{"argv": ["train", config, "--out", str(run), *sets], "fault": "eval.tmp@2"}])  # before = 1st, step 1's = 2nd
+    assert outcome["killed"], outcome
+    assert (run / "checkpoints" / "step_000001").is_dir() and not (run / "eval" / "step_0001.json").exists()
+    assert main(["train", "--resume", str(run)]) == 0
+    assert _metrics(run) == _metrics(ref)
+    for label in ("before", "step_0001", "after"):
+        a = json.loads((ref / "eval" / f"{label}.json").read_text())
+        b = json.loads((run / "eval" / f"{label}.json").read_text())
+        assert a["items"] == b["items"], label
+    evals = sorted(label for label, _ in _ledger(run, "SELECT label, path FROM evaluations"))
+    assert evals == ["after", "before", "step_0001"], evals
+
+
 def test_every_fault_point_is_exercised():
     """Each write point of recursa.runio.FAULT_POINTS is killed at in this module."""
     used = {k.split("@")[0] for k, _ in KILLS} | {"truncate.jsonl"}

@@ -271,6 +271,21 @@ def eval_before(run: OpenedRun, cfg, progress: Progress | None, log: Callable[[s
         log(f"before: success {r.success_rate:.3f} [{r.ci95[0]:.3f}, {r.ci95[1]:.3f}] on {r.n} {cfg.eval.split} items")
 
 
+def mid_eval_due(cfg, done: int, total: int) -> bool:
+    """Whether the held-out evaluation every `eval.every` steps (rounds) falls after step `done`
+    of `total` (the last step's is the `after` evaluation)."""
+    return bool(cfg.eval.every) and 0 < done < total and done % cfg.eval.every == 0 and cfg.eval.n > 0
+
+
+def mid_eval_missing(cfg, store: RunStore, start: int, total: int) -> bool:
+    """A run resumed at step `start` whose evaluation there was due but is not in metrics.jsonl:
+    the recipes checkpoint before that evaluation, so a kill during it loses no training and the
+    resumed run evaluates first."""
+    if not mid_eval_due(cfg, start, total):
+        return False
+    return not any(r.get("step") == start and "eval/success_rate" in r for r in store.read_jsonl("metrics"))
+
+
 def eval_items(pool: EnvPool, split: str, n: int) -> int:
     """n, or fewer when the task has fewer items in `split` (a dataset's rows, `num_items`):
     an evaluation never scores the same row twice."""

@@ -68,7 +68,7 @@ from recursa.engines import make_engine
 from recursa.envs import split_seed
 from recursa.generation import GenerationStats, SamplingParams, prefix_lengths, sequence_logprobs, shared_prefix_logprobs
 from recursa.models import Policy
-from recursa.recipes.common import Progress, check_finite, eval_before, lr_at, open_run, run_eval, step_generator
+from recursa.recipes.common import Progress, check_finite, eval_before, lr_at, mid_eval_due, mid_eval_missing, open_run, run_eval, step_generator
 from recursa.recipes.gating import PromptGate, WeightsGate
 from recursa.recipes.rloop import RLoop
 from recursa.rewards import RewardSet, score_episodes, score_trajectories
@@ -677,6 +677,13 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
     curriculum = Curriculum.open(cfg, multi_turn, run.state)  # None when [curriculum] is off
     eval_before(run, cfg, progress, log, engine=engine)
 
+    def mid_eval(done: int) -> None:
+        r = run_eval(policy, cfg, pool, store, done, f"step_{done:04d}", progress, gate, engine=engine)
+        log(f"eval @ {done}: success {r.success_rate:.3f} [{r.ci95[0]:.3f}, {r.ci95[1]:.3f}]")
+
+    if mid_eval_missing(cfg, store, start_step, cfg.train.steps):  # resumed at a checkpoint whose evaluation was cut off
+        mid_eval(start_step)
+
     sampling = SamplingParams(cfg.sampling.max_new_tokens, cfg.sampling.temperature, cfg.sampling.top_p, tuple(cfg.sampling.stop))
     B, G = cfg.train.prompts_per_step, cfg.train.group_size
     drafts = B * cfg.algo.igrpo_drafts if cfg.algo.igrpo else 0  # iGRPO's drafts per step
@@ -762,14 +769,13 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
             store.log_metrics(done, prompts.check(policy, done, list(failures), gen))
         if gate is not None and (done % cfg.gate.every == 0 or done == cfg.train.steps):
             store.log_metrics(done, gate.check(policy, optimizer, done, progress))
-        if cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.train.steps and cfg.eval.n > 0:
-            r = run_eval(policy, cfg, pool, store, done, f"step_{done:04d}", progress, gate, engine=engine)
-            log(f"eval @ {done}: success {r.success_rate:.3f} [{r.ci95[0]:.3f}, {r.ci95[1]:.3f}]")
         if (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0) or done == cfg.train.steps:
             saved = reward_set.state_dict() if reward_set is not None else {}
             state = {"opt_steps": opt_step, **({"rewards": saved} if saved else {}), **({"episodes": sampled_total} if branching else {}),
                      **({"curriculum": curriculum.state_dict()} if curriculum is not None else {})}
             store.save_checkpoint(done, policy, optimizer, state)
+        if mid_eval_due(cfg, done, cfg.train.steps):  # after the checkpoint: a kill during the evaluation loses no training
+            mid_eval(done)
 
     rollouts.close()
     if cfg.train.steps == 0 and store.latest_checkpoint() is None:

@@ -54,6 +54,8 @@ from recursa.generation import SamplingParams
 from recursa.recipes.common import (
     check_finite,
     eval_before,
+    mid_eval_due,
+    mid_eval_missing,
     open_run,
     Progress,
     batch_order,
@@ -283,6 +285,13 @@ def train(cfg: RFTConfig, out: Path, resume: bool = False, progress: Progress | 
     sampled_total = int(run.state.get("episodes", start * rc.tasks_per_round * rc.group_size))  # budget/episodes (B-STaR's probes included)
     eval_before(run, cfg, progress, log, engine=engine)
 
+    def mid_eval(done: int) -> None:
+        r = run_eval(policy, cfg, pool, store, done, f"step_{done:04d}", progress, gate, engine=engine)
+        log(f"eval @ round {done}: success {r.success_rate:.3f} [{r.ci95[0]:.3f}, {r.ci95[1]:.3f}]")
+
+    if mid_eval_missing(cfg, store, start, rc.rounds):  # resumed at a checkpoint whose evaluation was cut off
+        mid_eval(start)
+
     for rnd in range(start, rc.rounds):
         t0 = time.perf_counter()
         gen = step_generator(cfg.train.seed, rnd)
@@ -366,13 +375,12 @@ def train(cfg: RFTConfig, out: Path, resume: bool = False, progress: Progress | 
         done = rnd + 1
         if gate is not None and (done % cfg.gate.every == 0 or done == rc.rounds):
             store.log_metrics(done, gate.check(policy, optimizer, done, progress))
-        if cfg.eval.every and done % cfg.eval.every == 0 and done < rc.rounds and cfg.eval.n > 0:
-            r = run_eval(policy, cfg, pool, store, done, f"step_{done:04d}", progress, gate, engine=engine)
-            log(f"eval @ round {done}: success {r.success_rate:.3f} [{r.ci95[0]:.3f}, {r.ci95[1]:.3f}]")
         if (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0) or done == rc.rounds:
             state = {"opt_steps": opt_step, **({"episodes": sampled_total} if bstar else {}),
                      **({"curriculum": curriculum.state_dict()} if curriculum is not None else {})}
             store.save_checkpoint(done, policy, optimizer, state)
+        if mid_eval_due(cfg, done, rc.rounds):  # after the checkpoint: a kill during the evaluation loses no training
+            mid_eval(done)
 
     rollouts.close()
     if rc.rounds == 0 and store.latest_checkpoint() is None:
