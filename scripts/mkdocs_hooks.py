@@ -40,7 +40,7 @@ def rewrite_links(markdown: str, source_dir: str, site_path: str) -> str:
 
     def fix(m: re.Match) -> str:
         text, href = m.group(1), m.group(2)
-        if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*:", href) or href.startswith("#"):
+        if _EXTERNAL.match(href) or href.startswith("#"):
             return m.group(0)
         path, _, anchor = href.partition("#")
         repo_path = posixpath.normpath(posixpath.join(source_dir, path))
@@ -57,28 +57,23 @@ def outside_images(markdown: str, source_dir: str) -> list[str]:
     """Repository paths of the images a page shows that live outside docs/ (the site must copy them)."""
     paths = []
     for m in _IMAGE.finditer(markdown):
-        href = m.group(2)
-        if _EXTERNAL.match(href):
-            continue
-        repo_path = posixpath.normpath(posixpath.join(source_dir, href))
-        if not repo_path.startswith(("docs/", "../")) and repo_path not in paths:
+        repo_path = posixpath.normpath(posixpath.join(source_dir, m.group(2)))
+        if not _EXTERNAL.match(m.group(2)) and not repo_path.startswith(("docs/", "../")) and repo_path not in paths:
             paths.append(repo_path)
     return paths
 
 
 def rewrite_images(markdown: str, source_dir: str, site_path: str) -> str:
-    """Point a page's images outside docs/ at their copies, which sit in the site at their repository path."""
+    """Point a page's images at their place in the site: a docs/ image at its page's path, one
+    outside docs/ at its copy, which sits in the site at its repository path."""
 
     def fix(m: re.Match) -> str:
         alt, href = m.group(1), m.group(2)
-        if _EXTERNAL.match(href):
-            return m.group(0)
         repo_path = posixpath.normpath(posixpath.join(source_dir, href))
-        if repo_path.startswith("docs/"):
-            return f"![{alt}]({posixpath.relpath(repo_path[len('docs/'):], posixpath.dirname(site_path) or '.')})"
-        if repo_path.startswith("../"):
+        if _EXTERNAL.match(href) or repo_path.startswith("../"):
             return m.group(0)
-        return f"![{alt}]({posixpath.relpath(repo_path, posixpath.dirname(site_path) or '.')})"
+        in_site = repo_path.removeprefix("docs/")
+        return f"![{alt}]({posixpath.relpath(in_site, posixpath.dirname(site_path) or '.')})"
 
     return _IMAGE.sub(fix, markdown)
 

@@ -277,6 +277,14 @@ def mid_eval_due(cfg, done: int, total: int) -> bool:
     return bool(cfg.eval.every) and 0 < done < total and done % cfg.eval.every == 0 and cfg.eval.n > 0
 
 
+def mid_eval(policy: Policy, cfg, pool: EnvPool, store: RunStore, done: int, progress: Progress | None, gate, log: Callable[[str], None],
+             hints: Hints | None = None, engine=None, unit: str = "") -> None:
+    """The evaluation every `eval.every` steps (eval/step_<done>.json), logged as `eval @ <unit><done>`.
+    The recipes run it after that step's checkpoint, and again on resume when it is missing."""
+    r = run_eval(policy, cfg, pool, store, done, f"step_{done:04d}", progress, gate, hints=hints, engine=engine)
+    log(f"eval @ {unit}{done}: success {r.success_rate:.3f} [{r.ci95[0]:.3f}, {r.ci95[1]:.3f}]")
+
+
 def mid_eval_missing(cfg, store: RunStore, start: int, total: int) -> bool:
     """A run resumed at step `start` whose evaluation there was due but is not in metrics.jsonl:
     the recipes checkpoint before that evaluation, so a kill during it loses no training and the

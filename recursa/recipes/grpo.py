@@ -68,7 +68,7 @@ from recursa.engines import make_engine
 from recursa.envs import split_seed
 from recursa.generation import GenerationStats, SamplingParams, prefix_lengths, sequence_logprobs, shared_prefix_logprobs
 from recursa.models import Policy
-from recursa.recipes.common import Progress, check_finite, eval_before, lr_at, mid_eval_due, mid_eval_missing, open_run, run_eval, step_generator
+from recursa.recipes.common import Progress, check_finite, eval_before, lr_at, mid_eval, mid_eval_due, mid_eval_missing, open_run, run_eval, step_generator
 from recursa.recipes.gating import PromptGate, WeightsGate
 from recursa.recipes.rloop import RLoop
 from recursa.rewards import RewardSet, score_episodes, score_trajectories
@@ -677,12 +677,8 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
     curriculum = Curriculum.open(cfg, multi_turn, run.state)  # None when [curriculum] is off
     eval_before(run, cfg, progress, log, engine=engine)
 
-    def mid_eval(done: int) -> None:
-        r = run_eval(policy, cfg, pool, store, done, f"step_{done:04d}", progress, gate, engine=engine)
-        log(f"eval @ {done}: success {r.success_rate:.3f} [{r.ci95[0]:.3f}, {r.ci95[1]:.3f}]")
-
     if mid_eval_missing(cfg, store, start_step, cfg.train.steps):  # resumed at a checkpoint whose evaluation was cut off
-        mid_eval(start_step)
+        mid_eval(policy, cfg, pool, store, start_step, progress, gate, log, engine=engine)
 
     sampling = SamplingParams(cfg.sampling.max_new_tokens, cfg.sampling.temperature, cfg.sampling.top_p, tuple(cfg.sampling.stop))
     B, G = cfg.train.prompts_per_step, cfg.train.group_size
@@ -775,7 +771,7 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
                      **({"curriculum": curriculum.state_dict()} if curriculum is not None else {})}
             store.save_checkpoint(done, policy, optimizer, state)
         if mid_eval_due(cfg, done, cfg.train.steps):  # after the checkpoint: a kill during the evaluation loses no training
-            mid_eval(done)
+            mid_eval(policy, cfg, pool, store, done, progress, gate, log, engine=engine)
 
     rollouts.close()
     if cfg.train.steps == 0 and store.latest_checkpoint() is None:

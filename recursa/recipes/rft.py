@@ -54,6 +54,7 @@ from recursa.generation import SamplingParams
 from recursa.recipes.common import (
     check_finite,
     eval_before,
+    mid_eval,
     mid_eval_due,
     mid_eval_missing,
     open_run,
@@ -285,12 +286,8 @@ def train(cfg: RFTConfig, out: Path, resume: bool = False, progress: Progress | 
     sampled_total = int(run.state.get("episodes", start * rc.tasks_per_round * rc.group_size))  # budget/episodes (B-STaR's probes included)
     eval_before(run, cfg, progress, log, engine=engine)
 
-    def mid_eval(done: int) -> None:
-        r = run_eval(policy, cfg, pool, store, done, f"step_{done:04d}", progress, gate, engine=engine)
-        log(f"eval @ round {done}: success {r.success_rate:.3f} [{r.ci95[0]:.3f}, {r.ci95[1]:.3f}]")
-
     if mid_eval_missing(cfg, store, start, rc.rounds):  # resumed at a checkpoint whose evaluation was cut off
-        mid_eval(start)
+        mid_eval(policy, cfg, pool, store, start, progress, gate, log, engine=engine, unit="round ")
 
     for rnd in range(start, rc.rounds):
         t0 = time.perf_counter()
@@ -380,7 +377,7 @@ def train(cfg: RFTConfig, out: Path, resume: bool = False, progress: Progress | 
                      **({"curriculum": curriculum.state_dict()} if curriculum is not None else {})}
             store.save_checkpoint(done, policy, optimizer, state)
         if mid_eval_due(cfg, done, rc.rounds):  # after the checkpoint: a kill during the evaluation loses no training
-            mid_eval(done)
+            mid_eval(policy, cfg, pool, store, done, progress, gate, log, engine=engine, unit="round ")
 
     rollouts.close()
     if rc.rounds == 0 and store.latest_checkpoint() is None:

@@ -119,7 +119,7 @@ from recursa.envs import EnvPool, system_prompt_of
 from recursa.generation import GenerationStats, SamplingParams, generate, sequence_logprobs, shared_prefix_logprobs
 from recursa.models import Policy
 from recursa.distributed.rollouts import LocalRollouts, RolloutBackend, make_rollouts
-from recursa.recipes.common import Progress, check_finite, eval_before, mid_eval_due, mid_eval_missing, open_run, run_eval, step_generator
+from recursa.recipes.common import Progress, check_finite, eval_before, mid_eval, mid_eval_due, mid_eval_missing, open_run, run_eval, step_generator
 from recursa.recipes.gating import PromptGate, SkillGate, WeightsGate
 from recursa.rewards import RewardSet, score_episodes, score_trajectories
 from recursa.recipes.grpo import Imitation, UpdateStats, episode_rows, train_seeds, update, update_metrics
@@ -1158,12 +1158,8 @@ def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress 
     curriculum = Curriculum.open(cfg, multi_turn, run.state)  # curriculum arms (recursa/curriculum.py); None when off
     eval_before(run, cfg, progress, log, hints=hints_for, engine=engine)
 
-    def mid_eval(done: int) -> None:
-        r = run_eval(policy, cfg, pool, store, done, f"step_{done:04d}", progress, gate, hints=hints_for, engine=engine)
-        log(f"eval @ {done}: success {r.success_rate:.3f} [{r.ci95[0]:.3f}, {r.ci95[1]:.3f}]")
-
     if mid_eval_missing(cfg, store, run.start_step, cfg.train.steps):  # resumed at a checkpoint whose evaluation was cut off
-        mid_eval(run.start_step)
+        mid_eval(policy, cfg, pool, store, run.start_step, progress, gate, log, hints=hints_for, engine=engine)
 
     sampling = SamplingParams(cfg.sampling.max_new_tokens, cfg.sampling.temperature, cfg.sampling.top_p, tuple(cfg.sampling.stop))
     reward_set = RewardSet.from_config(cfg.reward)  # None: the env's reward alone
@@ -1246,7 +1242,7 @@ def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress 
                 saved["curriculum"] = curriculum.state_dict()
             store.save_checkpoint(done, policy, optimizer, saved)
         if mid_eval_due(cfg, done, cfg.train.steps):  # after the checkpoint: a kill during the evaluation loses no training
-            mid_eval(done)
+            mid_eval(policy, cfg, pool, store, done, progress, gate, log, hints=hints_for, engine=engine)
 
     rollouts.close()
     if cfg.train.steps == 0 and store.latest_checkpoint() is None:
