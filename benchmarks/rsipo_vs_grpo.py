@@ -14,6 +14,7 @@ the run's `episodes/sampled` metric; GRPO samples B x G per step).
     python benchmarks/rsipo_vs_grpo.py --games household_light --recipes rft      # expert iteration at GRPO's episodes (examples/household_light_rft.toml)
     python benchmarks/rsipo_vs_grpo.py --games twx:twc --split gate --recipes grpo --seeds 0 --steps 8   # a pilot on the dev fold
     python benchmarks/rsipo_vs_grpo.py --games household_light --report --baseline grpo@lr1e-5   # compared with a tagged GRPO run
+    python benchmarks/rsipo_vs_grpo.py --games household_light --recipes grpo --interpolate 0.5   # + each run's weights halfway to the warm start
     python benchmarks/rsipo_vs_grpo.py --tiny --out /tmp/bench         # tiny random model on toy-corridor: checks the script
 
 Design (issue 12):
@@ -47,6 +48,12 @@ unless `--keep-checkpoints`. A run cut off (the end of a sitting) keeps its chec
 per evaluation point, and the next invocation with the same settings resumes it there.
 Pilots: `--set KEY=VALUE --tag @name` overrides training settings of every run but the warm
 start, under a tagged recipe name.
+
+`--interpolate 0.5` also evaluates each trained run's final weights moved halfway back to the
+warm start (theta_0 + 0.5 (theta - theta_0), WiSE-FT) on the same held-out games, as the
+recipe `<name>+wise0.5` at the run's episodes (it samples none). The weight is fixed before
+the runs. A committed run whose checkpoints were not kept is trained again for its weights;
+its committed file stays, and the new file says whether the retrained run won the same games.
 """
 
 from __future__ import annotations
@@ -294,13 +301,20 @@ def pin_warm_start(game: dict) -> None:
 
 
 def worker(spec: dict) -> None:
-    """Train one (recipe, seed) run into spec['out']; called in a fresh interpreter."""
+    """Train one (recipe, seed) run into spec['out'], or run `recursa` with spec['eval'] as its
+    arguments (an evaluation of a run); called in a fresh interpreter."""
     if spec["tiny"]:
         import importlib.util
 
         # toy-corridor is registered by the test suite's conftest (the toy envs live there)
         s = importlib.util.spec_from_file_location("recursa_test_envs", REPO / "tests" / "conftest.py")
         s.loader.exec_module(importlib.util.module_from_spec(s))
+    if "eval" in spec:
+        from recursa.cli import main as recursa_main
+
+        if recursa_main(spec["eval"]) != 0:
+            raise SystemExit(2)
+        return
     import importlib
 
     from recursa.config import load_config
@@ -478,18 +492,64 @@ def attempts_wall(out: Path) -> tuple[float, int]:
 
 def run_one(name: str, seed: int, args, game: dict) -> dict | None:
     """A run's result record: the committed file when its settings match (always with
-    --report), else train it now and write the file. None when --report finds none."""
+    --report), else train it now and write the file. None when --report finds none.
+    With --interpolate, also the result of its final weights moved toward the warm start
+    (`interpolate_one`); a committed run whose weights are gone is trained again for them,
+    its committed file left as it is."""
     spec = run_spec(name, seed, args, game)
     path = result_path(args, game, name, seed)
+    out = Path(args.runs_dir) / game["slug"] / f"{label(name, args)}_seed{seed}"
+    wanted = [a for a in args.interpolate if name != "warm_start" and not committed(interpolated_path(args, game, name, seed, a), interpolated_spec(spec, a))]
+    done = None
     if path.exists():
         done = json.loads(path.read_text())
-        if done["spec"] == spec or args.report:
+        if args.report or (done["spec"] == spec and not wanted):
             print(f"{game['env']:>10} {label(name, args):>14} seed {seed}: committed result ({path.relative_to(REPO) if path.is_relative_to(REPO) else path})", flush=True)
             return done
-        print(f"{game['env']:>10} {label(name, args):>14} seed {seed}: the committed result has other settings; rerunning", flush=True)
+        if done["spec"] != spec:
+            print(f"{game['env']:>10} {label(name, args):>14} seed {seed}: the committed result has other settings; rerunning", flush=True)
+            done = None
+        elif final_checkpoint(out, spec) is not None:
+            interpolate_one(name, seed, args, game, spec, out, done, wanted)
+            return done
+        else:
+            print(f"{game['env']:>10} {label(name, args):>14} seed {seed}: committed result, but --interpolate needs its final weights, "
+                  "which were not kept: training it again (its committed file stays)", flush=True)
     if args.report:
         return None
-    out = Path(args.runs_dir) / game["slug"] / f"{label(name, args)}_seed{seed}"
+    record = train_one(name, seed, args, game, spec, out)
+    if done is None:
+        write_result(path, record)
+        print(f"{game['env']:>10} {label(name, args):>14} seed {seed}: held-out success {record['heldout']['success_rate']:.3f} after "
+              f"{record['episodes']} episodes ({record['wall_s']:.0f} s) -> {path}", flush=True)
+    else:  # trained again for its weights: say whether it reproduced the committed run
+        same = [i["success"] for i in record["heldout"]["items"]] == [i["success"] for i in done["heldout"]["items"]]
+        print(f"{game['env']:>10} {label(name, args):>14} seed {seed}: trained again, held-out success {record['heldout']['success_rate']:.3f} "
+              f"({'the same games as' if same else 'NOT the same games as'} the committed run's {done['heldout']['success_rate']:.3f})", flush=True)
+    interpolate_one(name, seed, args, game, spec, out, record if done is None else done, wanted, rerun=None if done is None else record)
+    if not args.keep_checkpoints:
+        shutil.rmtree(out / "checkpoints", ignore_errors=True)
+        shutil.rmtree(out / "incumbents", ignore_errors=True)
+    return record if done is None else done
+
+
+def committed(path: Path, spec: dict) -> bool:
+    """Whether `path` holds a result of exactly `spec`."""
+    try:
+        return json.loads(path.read_text())["spec"] == spec
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+def write_result(path: Path, record: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=1) + "\n")
+    tmp.replace(path)
+
+
+def train_one(name: str, seed: int, args, game: dict, spec: dict, out: Path) -> dict:
+    """Train (or resume) one run in `out` in a subprocess; its result record (checkpoints kept)."""
     resume = resumable(out, spec)
     if resume:
         print(f"{game['env']:>10} {label(name, args):>14} seed {seed}: resuming the interrupted run in {out}", flush=True)
@@ -520,18 +580,81 @@ def run_one(name: str, seed: int, args, game: dict) -> dict | None:
     wall, pieces = attempts_wall(out)
     if proc.returncode != 0:
         raise SystemExit(f"{name} seed {seed} failed (exit {proc.returncode}); log: {log}\n{log.read_text()[-2000:]}")
-    if not args.keep_checkpoints:
-        shutil.rmtree(out / "checkpoints", ignore_errors=True)
-        shutil.rmtree(out / "incumbents", ignore_errors=True)
-    record = {"spec": spec, "env": game["env"], "recipe": name, "seed": seed, **read_run(out, spec, game), "wall_s": round(wall, 1), "pieces": pieces,
-              "finished": time.strftime("%Y-%m-%d %H:%M:%S"), "run_dir": str(out.relative_to(REPO)) if out.is_relative_to(REPO) else str(out)}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record, indent=1) + "\n")
-    tmp.replace(path)
-    print(f"{game['env']:>10} {label(name, args):>14} seed {seed}: held-out success {record['heldout']['success_rate']:.3f} after "
-          f"{record['episodes']} episodes ({wall:.0f} s) -> {path}", flush=True)
-    return record
+    return {"spec": spec, "env": game["env"], "recipe": name, "seed": seed, **read_run(out, spec, game), "wall_s": round(wall, 1), "pieces": pieces,
+            "finished": time.strftime("%Y-%m-%d %H:%M:%S"), "run_dir": str(out.relative_to(REPO)) if out.is_relative_to(REPO) else str(out)}
+
+
+# --interpolate: a trained run's final weights moved toward its warm start, theta_0 + alpha
+# (theta - theta_0) (WiSE-FT; `recursa eval --interpolate`), evaluated on the same held-out
+# games. Its result is a recipe of its own, `<name>+wise<alpha>`, at the run's episodes: the
+# interpolation samples no episode. alpha is fixed before the runs, never chosen on them.
+def interpolated_label(name: str, args, alpha: float) -> str:
+    return f"{label(name, args)}+wise{alpha:g}"
+
+
+def interpolated_path(args, game: dict, name: str, seed: int, alpha: float) -> Path:
+    return Path(args.results) / game["slug"] / f"{interpolated_label(name, args, alpha)}_seed{seed}.json"
+
+
+def interpolated_spec(spec: dict, alpha: float) -> dict:
+    return {**spec, "sets": [*spec["sets"], f"interpolate={alpha:g}"], "interpolate": alpha}
+
+
+def final_checkpoint(out: Path, spec: dict) -> Path | None:
+    """The run's checkpoint at its last training step, when it was kept (and of these settings)."""
+    steps = next(int(s.split("=", 1)[1]) for s in spec["sets"] if s.startswith("train.steps="))
+    ckpt = out / "checkpoints" / f"step_{steps:06d}"
+    try:
+        same = json.loads((out / "bench_spec.json").read_text()) == spec
+    except (OSError, ValueError):
+        return None
+    from recursa.store import finished_checkpoints
+
+    return ckpt if same and ckpt in finished_checkpoints(out) else None
+
+
+def interpolate_one(name: str, seed: int, args, game: dict, spec: dict, out: Path, base: dict, alphas: list[float], rerun: dict | None = None) -> None:
+    """Evaluate the run's final weights interpolated toward its warm start at each alpha on
+    the held-out games of `base` (its committed record) and write each result file. `rerun`:
+    the record of a run trained again for its weights (stored beside, for the reader)."""
+    steps = next(int(s.split("=", 1)[1]) for s in spec["sets"] if s.startswith("train.steps="))
+    n = len(base["heldout"]["items"])
+    for alpha in alphas:
+        target = out / "eval" / f"after_wise{alpha:g}.json"
+        argv = ["eval", "--run", str(out), "--checkpoint", str(steps), "--interpolate", str(alpha), "--split", base["heldout"].get("split", args.split),
+                "--n", str(n), "--json", str(target), "--label", f"after@{alpha:g}"]
+        started = time.time()
+        with (out.parent / f"{label(name, args)}_seed{seed}.log").open("a") as fh:
+            proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps({"eval": argv, "tiny": args.tiny})], cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"{name} seed {seed}: evaluating the weights interpolated at {alpha:g} failed (exit {proc.returncode}); log in {out.parent}")
+        data = json.loads(target.read_text())
+        items = _items(data, keep_completion=True)
+        heldout = {k: data[k] for k in ("env", "split", "n", "success_rate", "ci95", "mean_reward", "invalid_rate", "mean_steps") if k in data}
+        heldout["items"] = items
+        point = {"step": steps, "label": f"after@{alpha:g}", "episodes": base["episodes"], "success_rate": data["success_rate"], "items": items}
+        record = {"spec": interpolated_spec(spec, alpha), "env": game["env"], "recipe": interpolated_label(name, args, alpha), "seed": seed,
+                  "interpolate": {"alpha": alpha, "of": label(name, args), "of_success_rate": base["heldout"]["success_rate"]},
+                  "curve": [point], "heldout": heldout, "episodes": base["episodes"], "diagnostics": base.get("diagnostics", {}),
+                  "wall_s": round(time.time() - started, 1), "finished": time.strftime("%Y-%m-%d %H:%M:%S"), "run_dir": base.get("run_dir")}
+        if rerun is not None:
+            record["interpolate"]["trained_again"] = {"success_rate": rerun["heldout"]["success_rate"],
+                                                      "same_items": [i["success"] for i in rerun["heldout"]["items"]] == [i["success"] for i in base["heldout"]["items"]],
+                                                      "wall_s": rerun["wall_s"]}
+        path = interpolated_path(args, game, name, seed, alpha)
+        write_result(path, record)
+        print(f"{game['env']:>10} {interpolated_label(name, args, alpha):>14} seed {seed}: held-out success {data['success_rate']:.3f} "
+              f"(the run's own {base['heldout']['success_rate']:.3f}) -> {path}", flush=True)
+
+
+def interpolated_entries(name: str, seed: int, args, game: dict) -> list[tuple[str, dict]]:
+    """(label, record) of the run's committed interpolated results (every alpha of --interpolate)."""
+    found = []
+    for alpha in args.interpolate:
+        path = interpolated_path(args, game, name, seed, alpha)
+        if path.exists():
+            found.append((interpolated_label(name, args, alpha), json.loads(path.read_text())))
+    return found
 
 
 # what the recipe did in a run: step means of these metrics (non-finite steps skipped), and of
@@ -838,9 +961,20 @@ def main(argv: list[str] | None = None) -> int:
                    help="override a training setting of every run but warm_start (a pilot, e.g. train.lr=2e-6); needs --tag")
     p.add_argument("--tag", default="", help="appended to the recipe names of runs made with --set (e.g. @lr2e-6), so they never replace the default runs")
     p.add_argument("--baseline", default="grpo", help="the GRPO run the others are compared with in the summary (e.g. a pilot's grpo@lr1e-5)")
+    p.add_argument("--interpolate", default="", metavar="ALPHA[,ALPHA]",
+                   help="also evaluate each trained run's final weights moved toward the warm start, theta_0 + ALPHA (theta - theta_0), "
+                   "as recipe <name>+wise<ALPHA> (fix ALPHA before the runs); a committed run whose weights were not kept is trained again")
     p.add_argument("--report", action="store_true", help="run nothing: tables and plots from the result files present")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    try:
+        args.interpolate = [float(a) for a in args.interpolate.split(",") if a.strip()]
+    except ValueError:
+        print(f"error: --interpolate {args.interpolate!r}: give weights between 0 and 1, e.g. 0.5", file=sys.stderr)
+        return 2
+    if any(not 0.0 < a < 1.0 for a in args.interpolate):
+        print(f"error: --interpolate {args.interpolate}: give weights strictly between 0 (the warm start) and 1 (the run)", file=sys.stderr)
+        return 2
     if args.worker:
         worker(json.loads(args.worker))
         return 0
@@ -894,6 +1028,9 @@ def main(argv: list[str] | None = None) -> int:
                 if entry is not None:
                     sets = recipe_spec(name, game)[1] + (args.set if name != "warm_start" else [])
                     result["recipes"].setdefault(label(name, args), {"recipe": recipe_spec(name, game)[0], "sets": sets, "seeds": []})["seeds"].append(entry)
+                    for derived, record in ([] if name == "warm_start" else interpolated_entries(name, seed, args, game)):
+                        result["recipes"].setdefault(derived, {"recipe": recipe_spec(name, game)[0], "sets": [*sets, f"interpolate={record['interpolate']['alpha']:g}"],
+                                                               "seeds": []})["seeds"].append(record)
         result["seeds"] = add_committed(result, args, game, seeds)
         if not result["recipes"]:
             print(f"{game['env']}: no results yet", flush=True)

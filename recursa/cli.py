@@ -167,6 +167,12 @@ def _check_eval_args(args):
         raise UserError(f"--max-new-tokens {args.max_new_tokens}: give a cap between 1 and {SIZE_LIMITS['max_new_tokens']:g}")
     if args.checkpoint != "last" and not str(args.checkpoint).isdigit():
         raise UserError(f"--checkpoint {args.checkpoint!r}: give 'last' or a step number")
+    if args.interpolate is not None:
+        from recursa.export import check_alpha
+
+        check_alpha(args.interpolate)
+        if not args.run or args.model or args.policy != "model":
+            raise UserError("--interpolate moves a run's checkpoint toward the run's warm start: pass --run RUN_DIR, without --model or --policy")
     if args.json:
         target = Path(args.json)
         if target.is_dir():
@@ -252,6 +258,10 @@ def cmd_eval(args) -> int:
             from recursa.engines import make_engine
 
             policy = load_policy(model_cfg, weights_dir=weights, base_dir=base)
+            if args.interpolate is not None:  # theta_0 + alpha (theta - theta_0), theta_0 the run's warm start
+                from recursa.export import interpolated_policy, warm_start_policy
+
+                policy = interpolated_policy(policy, warm_start_policy(cfg, model_cfg.device), args.interpolate)
             engine = make_engine(cfg.rollout, policy)  # rollout.engine: native (default) or vllm
             result = evaluate(
                 policy,
@@ -263,7 +273,8 @@ def cmd_eval(args) -> int:
                 cfg.model.system_prompt or None,
                 batch_size=cfg.eval.batch_size,
                 stop=tuple(cfg.sampling.stop),
-                label=args.label or (weights.name if weights else model_cfg.name) + ("+skills" if hints is not None else ""),
+                label=args.label or (weights.name if weights else model_cfg.name) + (f"@{args.interpolate:g}" if args.interpolate is not None else "")
+                + ("+skills" if hints is not None else ""),
                 progress=lambda d, t: progress("eval", d, t),
                 agent=cfg.agent,
                 hints=hints,
@@ -319,7 +330,7 @@ def cmd_export(args) -> int:
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
         raise UserError(f"{run_dir} is not a directory: pass a run directory written by `recursa train`")
-    out = export_run(run_dir, Path(args.out), args.checkpoint, args.dtype, args.overwrite)
+    out = export_run(run_dir, Path(args.out), args.checkpoint, args.dtype, args.overwrite, args.interpolate)
     print(f"wrote {out}: load it with AutoModelForCausalLM.from_pretrained({str(out)!r}) or vllm.LLM(model={str(out)!r})")
     return 0
 
@@ -446,6 +457,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--n", type=int, help="number of items (default: eval.n)")
     e.add_argument("--max-new-tokens", type=int, help="completion cap")
     e.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    e.add_argument("--interpolate", type=float, metavar="ALPHA", help="evaluate theta_0 + ALPHA (theta - theta_0): the --run's checkpoint moved toward "
+                   "the weights it started from (init.from_run, else the base model); 1 = the checkpoint, 0 = the warm start (WiSE-FT)")
     e.add_argument("--label", help="label stored in the JSON")
     e.add_argument("--json", help="write the evaluation as JSON to this file")
     e.add_argument("--compare", metavar="EVAL_JSON", help="paired exact McNemar test against an earlier evaluation on the same items")
@@ -462,6 +475,7 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--checkpoint", default="last", help="checkpoint step, or 'last'")
     x.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="weights dtype of the export (auto: the run's model.dtype)")
     x.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    x.add_argument("--interpolate", type=float, metavar="ALPHA", help="write theta_0 + ALPHA (theta - theta_0), the checkpoint moved toward the run's warm start")
     x.set_defaults(func=cmd_export)
 
     r = sub.add_parser("report", help="write report.md and plots for a run")

@@ -4,6 +4,8 @@
     checkpoint           -> its weights: full weights, or LoRA adapters over the base
     load                 -> the policy exactly as `recursa eval --run` and a resumed run see it
     merge                -> LoRA adapters merged into the base weights (W + scale * B A)
+    interpolate          -> optionally, the weights moved back toward the run's warm start:
+                            theta_0 + alpha (theta - theta_0) (WiSE-FT), `--interpolate ALPHA`
     write                -> config.json, generation_config.json, model.safetensors, tokenizer
                             files with the chat template, written through a temporary
                             directory (complete or absent)
@@ -12,6 +14,13 @@ The result is what `AutoModelForCausalLM.from_pretrained(DIR)` and vLLM's `LLM(m
 read: a plain `*ForCausalLM` with no recursa or peft code needed. A full-weight checkpoint
 already is such a directory; exporting it still helps when the checkpoint predates the
 format, or to change the dtype (`--dtype bfloat16` halves the files for serving).
+
+Weight interpolation (`interpolate`, `--interpolate ALPHA` of `recursa export` and `recursa
+eval`) evaluates or writes theta_0 + alpha (theta - theta_0): theta the run's checkpoint,
+theta_0 the weights the run started from (its `init.from_run` checkpoint, else the base
+model). alpha = 1 is the checkpoint, 0 the warm start. Fine-tuning that wins one kind of
+task while forgetting another often keeps much of both at an alpha in between (WiSE-FT,
+Wortsman et al. 2022); RL from a warm start forgets the same way (docs/curriculum.md).
 
 config.json also carries `rope_theta` (and `torch_dtype`) at the top level, beside
 transformers 5's `rope_parameters` (and `dtype`), so readers built on transformers 4, as
@@ -75,26 +84,84 @@ def run_base_dir(cfg) -> Path | None:
     return init_weights_dir(cfg)
 
 
-def load_run_policy(run_dir: Path, checkpoint: str = "last", device: str = "cpu"):
-    """(config, checkpoint dir, policy) of a run's checkpoint, loaded on `device`."""
+def load_run_policy(run_dir: Path, checkpoint: str = "last", device: str = "cpu", interpolate: float | None = None):
+    """(config, checkpoint dir, policy) of a run's checkpoint, loaded on `device`; with
+    `interpolate` = alpha, the weights theta_0 + alpha (theta - theta_0) toward the run's
+    warm start theta_0 (see the module doc), as a full-weight policy (LoRA merged)."""
     from recursa.config import load_config
     from recursa.models import load_policy
 
     ckpt = run_checkpoint(run_dir, checkpoint)
     cfg = load_config(Path(run_dir) / "config.toml", check=False)
     model_cfg = cfg.model.model_copy(update={"device": device})
-    return cfg, ckpt, load_policy(model_cfg, weights_dir=ckpt, base_dir=run_base_dir(cfg))
+    policy = load_policy(model_cfg, weights_dir=ckpt, base_dir=run_base_dir(cfg))
+    if interpolate is None:
+        return cfg, ckpt, policy
+    check_alpha(interpolate)
+    return cfg, ckpt, interpolated_policy(policy, warm_start_policy(cfg, device), interpolate)
 
 
-def export_run(run_dir: Path, out: Path, checkpoint: str = "last", dtype: str = "auto", overwrite: bool = False) -> Path:
+def check_alpha(alpha: float) -> None:
+    """A one-line UserError unless 0 <= alpha <= 1 (outside, the weights are extrapolated)."""
+    if not (isinstance(alpha, (int, float)) and 0.0 <= alpha <= 1.0):
+        raise UserError(f"--interpolate {alpha!r}: give a weight between 0 (the warm start) and 1 (the checkpoint)")
+
+
+def warm_start_policy(cfg, device: str = "cpu"):
+    """The weights a run started from: its `init.from_run` checkpoint (LoRA adapters of that
+    run merged), else the base model's own; no LoRA of this run (its adapters start at zero)."""
+    from recursa.models import load_policy
+    from recursa.recipes.common import init_weights_dir
+
+    model_cfg = cfg.model.model_copy(update={"device": device, "lora": None})
+    return load_policy(model_cfg, base_dir=init_weights_dir(cfg))
+
+
+def interpolate_weights(model: torch.nn.Module, start: torch.nn.Module, alpha: float) -> torch.nn.Module:
+    """`model` moved in place to start + alpha (model - start), parameter by parameter and
+    buffer by buffer (floating ones), computed in float32 as (1 - alpha) start + alpha model
+    (so alpha = 0 and 1 give the endpoints exactly) and stored in the model's dtype.
+    The two must have the same parameter names and shapes (the same architecture)."""
+    mine = dict(model.named_parameters()) | {k: v for k, v in model.named_buffers() if v.is_floating_point()}
+    theirs = dict(start.named_parameters()) | {k: v for k, v in start.named_buffers() if v.is_floating_point()}
+    if mine.keys() != theirs.keys():
+        missing = sorted(mine.keys() ^ theirs.keys())
+        raise UserError(f"cannot interpolate: the run and its warm start have different weights ({missing[:3]} ...); they must be the same architecture")
+    with torch.no_grad():
+        for name, p in mine.items():
+            q = theirs[name]
+            if p.shape != q.shape:
+                raise UserError(f"cannot interpolate: {name} has shape {tuple(p.shape)} in the run, {tuple(q.shape)} in its warm start")
+            # (1 - alpha) theta_0 + alpha theta: exactly an endpoint at alpha = 0 or 1
+            mixed = (1.0 - alpha) * q.detach().to(device=p.device, dtype=torch.float32) + alpha * p.detach().float()
+            p.copy_(mixed.to(p.dtype))
+    return model
+
+
+def interpolated_policy(policy, start, alpha: float):
+    """The run's `policy` (LoRA merged) interpolated toward `start` (a policy of the warm
+    start), as a full-weight Policy; `start` is consumed (its weights are not kept)."""
+    from recursa.models import Policy
+
+    model = policy.model.merge_and_unload() if policy.is_lora else policy.model
+    interpolate_weights(model, start.causal_lm, alpha)
+    del start
+    return Policy(model=model, tokenizer=policy.tokenizer, name=policy.name, is_lora=False)
+
+
+def export_run(run_dir: Path, out: Path, checkpoint: str = "last", dtype: str = "auto", overwrite: bool = False,
+               interpolate: float | None = None) -> Path:
     """Write the run's checkpoint to `out` as a standalone Hugging Face model directory
-    (LoRA merged); `dtype` 'auto' keeps the run's `model.dtype`."""
+    (LoRA merged); `dtype` 'auto' keeps the run's `model.dtype`; `interpolate` = alpha
+    writes theta_0 + alpha (theta - theta_0) toward the run's warm start instead."""
     out = Path(out)
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype!r}: choose one of {list(DTYPES)}")
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise UserError(f"{out} exists and is not empty: choose another --out or pass --overwrite")
-    cfg, ckpt, policy = load_run_policy(run_dir, checkpoint)
+    if interpolate is not None:
+        check_alpha(interpolate)
+    cfg, ckpt, policy = load_run_policy(run_dir, checkpoint, interpolate=interpolate)
     model = policy.model.merge_and_unload() if policy.is_lora else policy.model
     if dtype != "auto":
         model = model.to(getattr(torch, dtype))
@@ -108,7 +175,8 @@ def export_run(run_dir: Path, out: Path, checkpoint: str = "last", dtype: str = 
     _chat_template_in_tokenizer_config(tmp / "tokenizer_config.json", policy.tokenizer.chat_template)
     (tmp / "recursa_export.json").write_text(json.dumps({
         "run": str(Path(run_dir).resolve()), "checkpoint": ckpt.name, "model": cfg.model.name,
-        "lora_merged": policy.is_lora, "dtype": str(model.dtype).removeprefix("torch."),
+        "lora_merged": cfg.model.lora is not None, "dtype": str(model.dtype).removeprefix("torch."),
+        **({"interpolate": interpolate, "warm_start": cfg.init.from_run or cfg.model.name} if interpolate is not None else {}),
     }, indent=1) + "\n")
     if out.exists():
         shutil.rmtree(out)

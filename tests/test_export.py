@@ -194,3 +194,65 @@ def test_export_of_the_embedded_model(tmp_path):
     assert _chat(tokenizer) == _chat(policy.tokenizer)
     config = json.loads((out / "config.json").read_text())
     assert config["rope_theta"] == config["rope_parameters"]["rope_theta"] == policy.causal_lm.config.rope_parameters["rope_theta"]
+
+
+def _params(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def test_interpolation_is_the_weighted_mean_of_the_checkpoint_and_its_warm_start(tmp_path):
+    """theta_0 + alpha (theta - theta_0), parameter by parameter, against the two endpoints:
+    a run warm-started from another run's checkpoint, so theta_0 is that checkpoint."""
+    first = _train(tmp_path / "first", "train.steps=1")
+    second = _train(tmp_path / "second", "train.steps=2", f"init.from_run={first}")
+    start = _params(load_run_policy(first)[2].causal_lm)
+    end = _params(load_run_policy(second)[2].causal_lm)
+    assert max((end[k] - start[k]).abs().max().item() for k in end) > 1e-4  # the second run moved the weights
+    for alpha in (0.0, 0.25, 1.0):
+        _, _, policy = load_run_policy(second, interpolate=alpha)
+        got = _params(policy.causal_lm)
+        for k in end:
+            torch.testing.assert_close(got[k], start[k] + alpha * (end[k] - start[k]), rtol=0, atol=1e-6)
+    _, _, whole = load_run_policy(second)
+    assert torch.equal(_logits(load_run_policy(second, interpolate=1.0)[2].causal_lm), _logits(whole.causal_lm))
+
+
+def test_interpolating_a_lora_run_scales_its_adapters(tmp_path):
+    """Under LoRA the warm start is the base with the adapters at zero, so alpha scales the
+    merged update: W + alpha * scale * B A."""
+    run = _train(tmp_path / "run", "train.steps=2", *LORA)
+    _, _, lora = load_run_policy(run)
+    base = _params(load_policy(load_config(run / "config.toml").model.model_copy(update={"lora": None})).causal_lm)
+    merged = _params(lora.model.merge_and_unload())
+    _, _, half = load_run_policy(run, interpolate=0.5)
+    assert not half.is_lora
+    got = _params(half.causal_lm)
+    assert got.keys() == merged.keys()
+    moved = [k for k in got if not torch.equal(merged[k], base[k])]
+    assert moved  # the adapters changed some weights
+    for k in got:
+        torch.testing.assert_close(got[k], base[k] + 0.5 * (merged[k] - base[k]), rtol=0, atol=1e-6)
+
+
+def test_eval_and_export_interpolate_and_refuse_bad_weights(tmp_path, capsys):
+    run = _train(tmp_path / "run", "train.steps=1")
+    out = tmp_path / "half"
+    assert main(["export", str(run), "--out", str(out), "--interpolate", "0.5"]) == 0
+    model, _ = _hf(out)
+    _, _, half = load_run_policy(run, interpolate=0.5)
+    assert torch.equal(_logits(model), _logits(half.causal_lm))
+    meta = json.loads((out / "recursa_export.json").read_text())
+    assert meta["interpolate"] == 0.5 and meta["warm_start"] == "tiny-random"
+    capsys.readouterr()
+    js = tmp_path / "eval.json"
+    assert main(["eval", "--run", str(run), "--interpolate", "0.5", "--n", "4", "--json", str(js)]) == 0
+    assert json.loads(js.read_text())["label"] == "step_000001@0.5"
+    for argv, message in [
+        (["eval", "--run", str(run), "--interpolate", "1.5", "--n", "4"], "between 0"),
+        (["eval", "--config", str(run / "config.toml"), "--interpolate", "0.5", "--n", "4"], "pass --run"),
+        (["eval", "--run", str(run), "--interpolate", "0.5", "--model", "tiny-random", "--n", "4"], "without --model"),
+        (["export", str(run), "--out", str(tmp_path / "o"), "--interpolate", "-0.1"], "between 0"),
+    ]:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and message in err and "\n" not in err, (argv, err)

@@ -751,6 +751,46 @@ def test_benchmark_run_cut_off_resumes_where_it_stopped(tmp_path):
     assert [(p["episodes"], p["items"]) for p in a["curve"]] == [(p["episodes"], p["items"]) for p in b["curve"]]
 
 
+def test_benchmark_interpolated_weights_are_a_recipe_of_their_own(tmp_path):
+    """--interpolate: each trained run's final weights moved toward the warm start are
+    evaluated on the same held-out games and written as <name>+wise<alpha>; a committed run
+    whose weights are gone is trained again for them, its committed file left unchanged, and
+    the new file says whether the retrained run won the same games."""
+    import subprocess
+    import sys
+
+    def bench(*extra: str):
+        cmd = [sys.executable, str(REPO / "benchmarks" / "rsipo_vs_grpo.py"), "--tiny", "--recipes", "warm_start,grpo", "--seeds", "0", "--steps", "2",
+               "--eval-n", "4", "--eval-every", "1", "--out", str(tmp_path / "out"), "--runs-dir", str(tmp_path / "runs"), *extra]
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return proc.stdout
+
+    bench("--interpolate", "0.5")
+    games = tmp_path / "out" / "toy_corridor"
+    run = json.loads((games / "grpo_seed0.json").read_text())
+    half = json.loads((games / "grpo+wise0.5_seed0.json").read_text())
+    assert half["interpolate"] == {"alpha": 0.5, "of": "grpo", "of_success_rate": run["heldout"]["success_rate"]}
+    assert [i["seed"] for i in half["heldout"]["items"]] == [i["seed"] for i in run["heldout"]["items"]]  # the same games
+    assert half["episodes"] == run["episodes"] and half["curve"][0]["episodes"] == run["episodes"]
+    assert half["spec"]["sets"][-1] == "interpolate=0.5" and half["spec"]["sets"][:-1] == run["spec"]["sets"]
+    assert not (tmp_path / "runs" / "toy_corridor" / "grpo_seed0" / "checkpoints").exists()  # removed once evaluated
+    summary = json.loads((tmp_path / "out" / "toy_corridor.json").read_text())
+    assert list(summary["recipes"]) == ["warm_start", "grpo", "grpo+wise0.5"]
+    assert summary["comparisons"]["grpo+wise0.5"]["vs_warm_start"]["n"] == 4 and summary["comparisons"]["grpo+wise0.5"]["vs_grpo"]["n"] == 4
+
+    committed_run = (games / "grpo_seed0.json").read_bytes()
+    out = bench("--interpolate", "0.25")  # the weights were not kept: trained again
+    assert "training it again" in out and "the same games as" in out, out[-3000:]
+    assert (games / "grpo_seed0.json").read_bytes() == committed_run
+    quarter = json.loads((games / "grpo+wise0.25_seed0.json").read_text())
+    assert quarter["interpolate"]["trained_again"]["same_items"] is True  # the tiny run is deterministic
+    shutil.rmtree(tmp_path / "runs")
+    out = bench("--interpolate", "0.25,0.5")  # everything committed: nothing runs
+    assert not (tmp_path / "runs").exists() and "committed result" in out
+    assert list(json.loads((tmp_path / "out" / "toy_corridor.json").read_text())["recipes"]) == ["warm_start", "grpo", "grpo+wise0.25", "grpo+wise0.5"]
+
+
 def test_benchmark_success_by_task_type():
     """household's held-out games are labelled by the task type the env draws (the warm start
     saw two of four), and final successes are pooled per label over seeds."""
