@@ -9,8 +9,16 @@ comparison with `grpo` is paired on those items (exact McNemar, Newcombe interva
 
     python benchmarks/methods_demo.py                    # every method; reuses committed results
     python benchmarks/methods_demo.py --methods grpo,spo # some of them
+    python benchmarks/methods_demo.py --methods arith_grpo,arith_progress,arith_schedule,arith_tail,arith_rft,arith_bstar
     python benchmarks/methods_demo.py --report           # tables from committed results alone
     python benchmarks/methods_demo.py --tiny --out /tmp/m  # tiny random model: checks the script
+
+Issue 17's curricula and B-STaR need a task with levels, so their runs (`arith_*`) play
+two-digit arithmetic (`examples/curriculum/arithmetic.toml`, difficulty 1 held out; expert
+iteration: `examples/curriculum/arithmetic_rft.toml`) from `arithmetic_sft`, one part at a
+time, each paired with its own baseline on that task (`BASELINE_OF`): `arith_grpo` (no
+curriculum) for the learning-progress and schedule arms and the tail, `arith_rft` (no
+B-STaR) for B-STaR.
 
 Each finished run writes one small file, `benchmarks/results/methods_demo/<method>.json`
 (settings, before/after success with intervals, per-item successes, the last training row
@@ -38,6 +46,8 @@ from recursa.runio import atomic_write_json, read_jsonl  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results" / "methods_demo"
 DEMO = "examples/demo.toml"
+ARITH = "examples/curriculum/arithmetic.toml"
+ARITH_RFT = "examples/curriculum/arithmetic_rft.toml"
 # Bump when a change to recursa alters what an existing method's configuration computes.
 CODE_VERSION = 1
 
@@ -54,16 +64,30 @@ METHODS: dict[str, tuple[str, list[str], str | None, str]] = {
     "igrpo": (DEMO, ["algo.igrpo=true", "algo.igrpo_drafts=4"], None, "algo.igrpo = true"),
     "self_consistency": ("examples/rewards/self_consistency.toml", [], None, '[[reward]] kind = "self_consistency" (verifier weight 0)'),
     "self_judge": ("examples/rewards/self_judge.toml", [], None, '[[reward]] kind = "self_judge" (verifier weight 0)'),
-    "arithmetic_sft": ("examples/rewards/arithmetic_sft.toml", [], None, "recipe = sft on 64 reference answers (the start of self_reward)"),
+    "arithmetic_sft": ("examples/rewards/arithmetic_sft.toml", [], None, "recipe = sft on 64 reference answers (the start of self_reward and the arith_ runs)"),
     "self_reward": ("examples/rewards/self_reward.toml", [], "arithmetic_sft", '[[reward]] kind = "self_reward" (verifier weight 0), from arithmetic_sft'),
     # issue 15: sampling with a low-precision copy of the weights (the trainer keeps fp32; TIS corrects the mismatch)
     "decode_bf16": (DEMO, ['rollout.decode_dtype="bfloat16"', "rollout.tis_cap=2.0"], None, 'rollout.decode_dtype = "bfloat16", rollout.tis_cap = 2'),
     "decode_int8": (DEMO, ['rollout.decode_dtype="int8"', "rollout.tis_cap=2.0"], None, 'rollout.decode_dtype = "int8", rollout.tis_cap = 2'),
+    # issue 17, curricula: two-digit arithmetic (difficulty 1 held out) from arithmetic_sft, one part at a time
+    "arith_grpo": (ARITH, ['curriculum.mode="off"', "curriculum.arms=[]", "curriculum.tail.enabled=false"], "arithmetic_sft",
+                   "GRPO on difficulty 1 from arithmetic_sft, no curriculum (the baseline of the arith_ runs)"),
+    "arith_progress": (ARITH, ["curriculum.tail.enabled=false"], "arithmetic_sft", 'curriculum.mode = "progress" over difficulty 0, 1, 2'),
+    "arith_schedule": (ARITH, ['curriculum.mode="schedule"', "curriculum.schedule_steps=[5, 10]", "curriculum.advance_at=0.8", "curriculum.tail.enabled=false"],
+                       "arithmetic_sft", 'curriculum.mode = "schedule": difficulty 0, then 1 (step 5), then 2 (step 10; earlier at a pass rate of 0.8)'),
+    "arith_tail": (ARITH, ['curriculum.mode="off"', "curriculum.arms=[]"], "arithmetic_sft",
+                   'curriculum.tail: never-solved tasks re-offered with the answer\'s form (PRIVILEGED), no arms'),
+    # issue 17, B-STaR: expert iteration on the same task, with and without it
+    "arith_rft": (ARITH_RFT, ["curriculum.bstar.enabled=false"], "arithmetic_sft", "expert iteration on difficulty 1, 8 rounds, T = 1, G = 4 (the baseline of arith_bstar)"),
+    "arith_bstar": (ARITH_RFT, [], "arithmetic_sft", "curriculum.bstar: each round's temperature and G by the balance score on a probe batch"),
 }
 BASELINE = "grpo"
+# methods compared with another method than BASELINE: the runs of another task or recipe
+BASELINE_OF = {"arith_progress": "arith_grpo", "arith_schedule": "arith_grpo", "arith_tail": "arith_grpo", "arith_bstar": "arith_rft"}
 TINY_COMMON = ['model.name="tiny-random"', "train.micro_batch_size=8", "eval.n=8", "eval.batch_size=8", "sampling.max_new_tokens=6", "run.threads=1"]
-TINY_RL = ["train.steps=2", "train.prompts_per_step=2", "train.group_size=4"]
+TINY_RL = ["train.steps=2", "train.prompts_per_step=2", "train.group_size=4", "curriculum.tail.min_attempts=4"]
 TINY_SFT = ["data.n=8", "train.batch_size=4"]
+TINY_RFT = ["rft.rounds=2", "rft.tasks_per_round=2", "rft.group_size=2", "curriculum.bstar.probe_tasks=2", "curriculum.bstar.samples=[2]"]
 
 
 def settings(name: str, tiny: bool) -> dict:
@@ -113,7 +137,7 @@ def run_method(name: str, args, done: dict, rerun: bool = False) -> dict:
         extra.append(f'init.from_run="{start_dir}"')
     if args.tiny:
         recipe = tomllib.loads((REPO / config).read_text()).get("recipe", "grpo")
-        extra += TINY_COMMON + (TINY_SFT if recipe == "sft" else TINY_RL)
+        extra += TINY_COMMON + {"sft": TINY_SFT, "rft": TINY_RFT}.get(recipe, TINY_RL)
     cmd = [sys.executable, "-m", "recursa.cli", "train", config, "--out", str(run_dir), "--overwrite"]
     for s in extra:
         cmd += ["--set", s]
@@ -172,7 +196,6 @@ def _paired(a: dict, b: dict) -> dict | None:
 def report(results_dir: Path) -> str:
     rows = {p.stem: _load(p) for p in sorted(results_dir.glob("*.json"))}
     rows = {k: v for k, v in rows.items() if v and v.get("after")}
-    base = rows.get(BASELINE)
     lines = [
         "# One switch at a time on the demo task: the issue-17 methods and low-precision decoding",
         "",
@@ -180,10 +203,12 @@ def report(results_dir: Path) -> str:
         "with one switch changed; held-out: the same first 200 test items, greedy, before and after. "
         "`vs grpo` pairs each run's after-training successes with the `grpo` run's on the same items: "
         "items won / lost against GRPO, the difference with its 95% interval (Newcombe) and the two-sided exact McNemar p. "
+        "The `arith_` runs (issue 17's curricula and B-STaR) play two-digit arithmetic (difficulty 1, its first 200 test items) "
+        "from `arithmetic_sft` instead, and are compared with their own baseline, named in the column. "
         "`vs own start` does the same against the run's own evaluation before training. "
         "Produced by `python benchmarks/methods_demo.py`; one file per method in `methods_demo/`.",
         "",
-        "| method | switch | before | after [95%] | vs own start: won/lost, p | vs grpo: won/lost, diff [95%], p | s |",
+        "| method | switch | before | after [95%] | vs own start: won/lost, p | vs grpo (or the baseline named): won/lost, diff [95%], p | s |",
         "|---|---|---:|---|---|---|---:|",
     ]
     order = [m for m in METHODS if m in rows] + [m for m in rows if m not in METHODS]
@@ -201,11 +226,15 @@ def report(results_dir: Path) -> str:
         users = started_from(name)
         if users:  # a starting point, not a method: comparing it with GRPO says nothing
             vs = f"(the start of {', '.join(users)})"
-        elif base is not None and name != BASELINE:
-            pc = _paired(base["after"], after)
+        elif name in BASELINE_OF.values():  # a baseline of other runs, on another task than grpo's
+            vs = f"(the baseline of {', '.join(m for m, b in BASELINE_OF.items() if b == name)})"
+        elif name != BASELINE and rows.get(BASELINE_OF.get(name, BASELINE)) is not None:
+            against = BASELINE_OF.get(name, BASELINE)
+            pc = _paired(rows[against]["after"], after)
             if pc:
                 dlo, dhi = pc["diff_ci95"]
-                vs = f"+{pc['b']}/-{pc['c']}, {pc['diff']:+.3f} [{dlo:+.3f}, {dhi:+.3f}], p = {pc['p_two_sided']:.2g}"
+                vs = (f"{'' if against == BASELINE else f'vs {against}: '}+{pc['b']}/-{pc['c']}, {pc['diff']:+.3f} [{dlo:+.3f}, {dhi:+.3f}], "
+                      f"p = {pc['p_two_sided']:.2g}")
         b = f"{before['success']:.3f}" if before else "-"
         switch = r.get("switch", "").replace("|", "\\|")
         lines.append(f"| {name} | {switch} | {b} | {after['success']:.3f} [{lo:.3f}, {hi:.3f}] | {own} | {vs} | {r.get('wall_s', 0):.0f} |")

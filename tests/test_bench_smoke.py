@@ -137,6 +137,12 @@ def test_methods_demo_runs_compares_and_reuses(tmp_path):
     second = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=600)
     assert second.returncode == 0, second.stderr[-2000:]
     assert second.stdout.count("committed result") == 3 and "running" not in second.stdout
+    # a method with a baseline of its own (another task) is compared with it, not with grpo
+    third = subprocess.run([*cmd[:-1], "arith_grpo,arith_tail"], cwd=repo, capture_output=True, text=True, timeout=600)
+    assert third.returncode == 0, third.stderr[-2000:]
+    rows = {line.split("|")[1].strip(): line for line in (tmp_path / "res.md").read_text().splitlines() if line.startswith("| arith_")}
+    assert "vs arith_grpo: +" in rows["arith_tail"] and "(the baseline of arith_progress, arith_schedule, arith_tail)" in rows["arith_grpo"]
+    assert "curriculum.tail.enabled=false" not in json.loads((tmp_path / "res" / "arith_tail.json").read_text())["settings"]["sets"]
 
 
 def _failure_modes():
