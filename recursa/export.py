@@ -140,12 +140,11 @@ def interpolate_weights(model: torch.nn.Module, start: torch.nn.Module, alpha: f
 
 def interpolated_policy(policy, start, alpha: float):
     """The run's `policy` (LoRA merged) interpolated toward `start` (a policy of the warm
-    start), as a full-weight Policy; `start` is consumed (its weights are not kept)."""
+    start, only read), as a full-weight Policy."""
     from recursa.models import Policy
 
     model = policy.model.merge_and_unload() if policy.is_lora else policy.model
     interpolate_weights(model, start.causal_lm, alpha)
-    del start
     return Policy(model=model, tokenizer=policy.tokenizer, name=policy.name, is_lora=False)
 
 
