@@ -111,8 +111,8 @@ def main(argv=None) -> int:
     md = markdown(result, args.title or str(args.eval_json))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-        args.out.with_suffix(".md").write_text(md)
+        args.out.with_name(args.out.name + ".json").write_text(json.dumps(result, indent=1) + "\n")
+        args.out.with_name(args.out.name + ".md").write_text(md)
     print(md)
     return 0
 
