@@ -414,6 +414,12 @@ def _items(result: dict, keep_completion: bool = False) -> list[dict]:
     return [{k: i[k] for k in keys if k in i} for i in result["items"]]
 
 
+def _heldout(evaluation: dict) -> dict:
+    """A result file's `heldout`: an evaluation's summary and its items (completions kept)."""
+    keys = ("env", "split", "n", "success_rate", "ci95", "mean_reward", "invalid_rate", "mean_steps")
+    return {**{k: evaluation[k] for k in keys if k in evaluation}, "items": _items(evaluation, keep_completion=True)}
+
+
 def read_run(out: Path, spec: dict, game: dict) -> dict:
     """The result record of a finished run directory: its curve (every evaluation, the
     episodes sampled before it, and per-item success), diagnostics and sampled episodes."""
@@ -448,9 +454,7 @@ def read_run(out: Path, spec: dict, game: dict) -> dict:
     for p in curve:  # 'after' and an eval.every point at the last step are the same weights
         dedup.setdefault(p["step"], p)
     curve = list(dedup.values())
-    after = json.loads((out / "eval" / "after.json").read_text())
-    heldout = {k: after[k] for k in ("env", "split", "n", "success_rate", "ci95", "mean_reward", "invalid_rate", "mean_steps") if k in after}
-    heldout["items"] = _items(after, keep_completion=True)
+    heldout = _heldout(json.loads((out / "eval" / "after.json").read_text()))
     record = {"curve": curve, "heldout": heldout, "episodes": episodes_before(steps), "diagnostics": diagnostics(rows, out)}
     for extra in ("after_skills", "after_no_skills"):  # skills.eval_both: the final policy with / without its library
         if (out / "eval" / f"{extra}.json").exists():
@@ -459,13 +463,17 @@ def read_run(out: Path, spec: dict, game: dict) -> dict:
     return record
 
 
-def resumable(out: Path, spec: dict) -> bool:
-    """Whether `out` holds an interrupted run of exactly these settings with a checkpoint to go on from."""
+def same_settings(out: Path, spec: dict) -> bool:
+    """Whether the run directory `out` was started with exactly these settings."""
     try:
-        same = json.loads((out / "bench_spec.json").read_text()) == spec
+        return json.loads((out / "bench_spec.json").read_text()) == spec
     except (OSError, ValueError):
         return False
-    return same and any((out / "checkpoints").glob("step_*"))
+
+
+def resumable(out: Path, spec: dict) -> bool:
+    """Whether `out` holds an interrupted run of exactly these settings with a checkpoint to go on from."""
+    return same_settings(out, spec) and any((out / "checkpoints").glob("step_*"))
 
 
 def attempts_wall(out: Path) -> tuple[float, int]:
@@ -522,15 +530,17 @@ def run_one(name: str, seed: int, args, game: dict) -> dict | None:
         write_result(path, record)
         print(f"{game['env']:>10} {label(name, args):>14} seed {seed}: held-out success {record['heldout']['success_rate']:.3f} after "
               f"{record['episodes']} episodes ({record['wall_s']:.0f} s) -> {path}", flush=True)
-    else:  # trained again for its weights: say whether it reproduced the committed run
+    rerun = None
+    if done is not None:  # trained again for its weights: say whether it reproduced the committed run
         same = [i["success"] for i in record["heldout"]["items"]] == [i["success"] for i in done["heldout"]["items"]]
+        rerun = {"success_rate": record["heldout"]["success_rate"], "same_items": same, "wall_s": record["wall_s"]}
         print(f"{game['env']:>10} {label(name, args):>14} seed {seed}: trained again, held-out success {record['heldout']['success_rate']:.3f} "
               f"({'the same games as' if same else 'NOT the same games as'} the committed run's {done['heldout']['success_rate']:.3f})", flush=True)
-    interpolate_one(name, seed, args, game, spec, out, record if done is None else done, wanted, rerun=None if done is None else record)
+    interpolate_one(name, seed, args, game, spec, out, done or record, wanted, rerun)
     if not args.keep_checkpoints:
         shutil.rmtree(out / "checkpoints", ignore_errors=True)
         shutil.rmtree(out / "incumbents", ignore_errors=True)
-    return record if done is None else done
+    return done or record
 
 
 def committed(path: Path, spec: dict) -> bool:
@@ -602,22 +612,17 @@ def interpolated_spec(spec: dict, alpha: float) -> dict:
 
 def final_checkpoint(out: Path, spec: dict) -> Path | None:
     """The run's checkpoint at its last training step, when it was kept (and of these settings)."""
-    steps = next(int(s.split("=", 1)[1]) for s in spec["sets"] if s.startswith("train.steps="))
-    ckpt = out / "checkpoints" / f"step_{steps:06d}"
-    try:
-        same = json.loads((out / "bench_spec.json").read_text()) == spec
-    except (OSError, ValueError):
-        return None
     from recursa.store import finished_checkpoints
 
-    return ckpt if same and ckpt in finished_checkpoints(out) else None
+    ckpt = out / "checkpoints" / f"step_{int(_last(spec['sets'], 'train.steps')):06d}"
+    return ckpt if same_settings(out, spec) and ckpt in finished_checkpoints(out) else None
 
 
 def interpolate_one(name: str, seed: int, args, game: dict, spec: dict, out: Path, base: dict, alphas: list[float], rerun: dict | None = None) -> None:
     """Evaluate the run's final weights interpolated toward its warm start at each alpha on
     the held-out games of `base` (its committed record) and write each result file. `rerun`:
-    the record of a run trained again for its weights (stored beside, for the reader)."""
-    steps = next(int(s.split("=", 1)[1]) for s in spec["sets"] if s.startswith("train.steps="))
+    how a run trained again for its weights compared with `base` (stored beside, for the reader)."""
+    steps = int(_last(spec["sets"], "train.steps"))
     n = len(base["heldout"]["items"])
     for alpha in alphas:
         target = out / "eval" / f"after_wise{alpha:g}.json"
@@ -629,18 +634,14 @@ def interpolate_one(name: str, seed: int, args, game: dict, spec: dict, out: Pat
         if proc.returncode != 0:
             raise SystemExit(f"{name} seed {seed}: evaluating the weights interpolated at {alpha:g} failed (exit {proc.returncode}); log in {out.parent}")
         data = json.loads(target.read_text())
-        items = _items(data, keep_completion=True)
-        heldout = {k: data[k] for k in ("env", "split", "n", "success_rate", "ci95", "mean_reward", "invalid_rate", "mean_steps") if k in data}
-        heldout["items"] = items
-        point = {"step": steps, "label": f"after@{alpha:g}", "episodes": base["episodes"], "success_rate": data["success_rate"], "items": items}
+        heldout = _heldout(data)
+        point = {"step": steps, "label": f"after@{alpha:g}", "episodes": base["episodes"], "success_rate": data["success_rate"], "items": heldout["items"]}
         record = {"spec": interpolated_spec(spec, alpha), "env": game["env"], "recipe": interpolated_label(name, args, alpha), "seed": seed,
                   "interpolate": {"alpha": alpha, "of": label(name, args), "of_success_rate": base["heldout"]["success_rate"]},
                   "curve": [point], "heldout": heldout, "episodes": base["episodes"], "diagnostics": base.get("diagnostics", {}),
                   "wall_s": round(time.time() - started, 1), "finished": time.strftime("%Y-%m-%d %H:%M:%S"), "run_dir": base.get("run_dir")}
         if rerun is not None:
-            record["interpolate"]["trained_again"] = {"success_rate": rerun["heldout"]["success_rate"],
-                                                      "same_items": [i["success"] for i in rerun["heldout"]["items"]] == [i["success"] for i in base["heldout"]["items"]],
-                                                      "wall_s": rerun["wall_s"]}
+            record["interpolate"]["trained_again"] = rerun
         path = interpolated_path(args, game, name, seed, alpha)
         write_result(path, record)
         print(f"{game['env']:>10} {interpolated_label(name, args, alpha):>14} seed {seed}: held-out success {data['success_rate']:.3f} "

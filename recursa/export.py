@@ -91,13 +91,14 @@ def load_run_policy(run_dir: Path, checkpoint: str = "last", device: str = "cpu"
     from recursa.config import load_config
     from recursa.models import load_policy
 
+    if interpolate is not None:
+        check_alpha(interpolate)  # before anything is loaded
     ckpt = run_checkpoint(run_dir, checkpoint)
     cfg = load_config(Path(run_dir) / "config.toml", check=False)
     model_cfg = cfg.model.model_copy(update={"device": device})
     policy = load_policy(model_cfg, weights_dir=ckpt, base_dir=run_base_dir(cfg))
     if interpolate is None:
         return cfg, ckpt, policy
-    check_alpha(interpolate)
     return cfg, ckpt, interpolated_policy(policy, warm_start_policy(cfg, device), interpolate)
 
 
@@ -158,8 +159,6 @@ def export_run(run_dir: Path, out: Path, checkpoint: str = "last", dtype: str = 
         raise UserError(f"--dtype {dtype!r}: choose one of {list(DTYPES)}")
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise UserError(f"{out} exists and is not empty: choose another --out or pass --overwrite")
-    if interpolate is not None:
-        check_alpha(interpolate)
     cfg, ckpt, policy = load_run_policy(run_dir, checkpoint, interpolate=interpolate)
     model = policy.model.merge_and_unload() if policy.is_lora else policy.model
     if dtype != "auto":
