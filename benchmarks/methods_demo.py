@@ -9,7 +9,7 @@ comparison with `grpo` is paired on those items (exact McNemar, Newcombe interva
 
     python benchmarks/methods_demo.py                    # every method; reuses committed results
     python benchmarks/methods_demo.py --methods grpo,spo # some of them
-    python benchmarks/methods_demo.py --methods arith_grpo,arith_progress,arith_schedule,arith_tail,arith_rft,arith_bstar
+    python benchmarks/methods_demo.py --methods arith_grpo,arith_progress,arith_schedule,arith_tail,arith_rft,arith_bstar,arith_rft_equal
     python benchmarks/methods_demo.py --report           # tables from committed results alone
     python benchmarks/methods_demo.py --tiny --out /tmp/m  # tiny random model: checks the script
 
@@ -17,8 +17,9 @@ Issue 17's curricula and B-STaR need a task with levels, so their runs (`arith_*
 two-digit arithmetic (`examples/curriculum/arithmetic.toml`, difficulty 1 held out; expert
 iteration: `examples/curriculum/arithmetic_rft.toml`) from `arithmetic_sft`, one part at a
 time, each paired with its own baseline on that task (`BASELINE_OF`): `arith_grpo` (no
-curriculum) for the learning-progress and schedule arms and the tail, `arith_rft` (no
-B-STaR) for B-STaR.
+curriculum) for the learning-progress and schedule arms and the tail; for B-STaR both
+`arith_rft` (no B-STaR, the same 8 rounds) and `arith_rft_equal` (no B-STaR, 26 rounds: as
+many sampled episodes as B-STaR's rounds and probes together).
 
 Each finished run writes one small file, `benchmarks/results/methods_demo/<method>.json`
 (settings, before/after success with intervals, per-item successes, the last training row
@@ -80,10 +81,24 @@ METHODS: dict[str, tuple[str, list[str], str | None, str]] = {
     # issue 17, B-STaR: expert iteration on the same task, with and without it
     "arith_rft": (ARITH_RFT, ["curriculum.bstar.enabled=false"], "arithmetic_sft", "expert iteration on difficulty 1, 8 rounds, T = 1, G = 4 (the baseline of arith_bstar)"),
     "arith_bstar": (ARITH_RFT, [], "arithmetic_sft", "curriculum.bstar: each round's temperature and G by the balance score on a probe batch"),
+    "arith_rft_equal": (ARITH_RFT, ["curriculum.bstar.enabled=false", "rft.rounds=26"], "arithmetic_sft",
+                        "expert iteration as arith_rft for 26 rounds: 3328 sampled episodes, arith_bstar's count with its probes (the equal-episode baseline of arith_bstar)"),
 }
 BASELINE = "grpo"
 # methods compared with another method than BASELINE: the runs of another task or recipe
-BASELINE_OF = {"arith_progress": "arith_grpo", "arith_schedule": "arith_grpo", "arith_tail": "arith_grpo", "arith_bstar": "arith_rft"}
+# (a tuple: one comparison with each, in order)
+BASELINE_OF = {"arith_progress": "arith_grpo", "arith_schedule": "arith_grpo", "arith_tail": "arith_grpo", "arith_bstar": ("arith_rft", "arith_rft_equal")}
+
+
+def baselines_of(name: str) -> tuple[str, ...]:
+    """The runs `name` is compared with: its BASELINE_OF entry (one or a tuple), else BASELINE."""
+    b = BASELINE_OF.get(name, BASELINE)
+    return b if isinstance(b, tuple) else (b,)
+
+
+def baseline_users(name: str) -> list[str]:
+    """The methods whose BASELINE_OF names `name`."""
+    return [m for m in BASELINE_OF if m != name and name in baselines_of(m)]
 TINY_COMMON = ['model.name="tiny-random"', "train.micro_batch_size=8", "eval.n=8", "eval.batch_size=8", "sampling.max_new_tokens=6", "run.threads=1"]
 TINY_RL = ["train.steps=2", "train.prompts_per_step=2", "train.group_size=4", "curriculum.tail.min_attempts=4"]
 TINY_SFT = ["data.n=8", "train.batch_size=4"]
@@ -226,15 +241,17 @@ def report(results_dir: Path) -> str:
         users = started_from(name)
         if users:  # a starting point, not a method: comparing it with GRPO says nothing
             vs = f"(the start of {', '.join(users)})"
-        elif name in BASELINE_OF.values():  # a baseline of other runs, on another task than grpo's
-            vs = f"(the baseline of {', '.join(m for m, b in BASELINE_OF.items() if b == name)})"
-        elif name != BASELINE and rows.get(BASELINE_OF.get(name, BASELINE)) is not None:
-            against = BASELINE_OF.get(name, BASELINE)
-            pc = _paired(rows[against]["after"], after)
-            if pc:
-                dlo, dhi = pc["diff_ci95"]
-                vs = (f"{'' if against == BASELINE else f'vs {against}: '}+{pc['b']}/-{pc['c']}, {pc['diff']:+.3f} [{dlo:+.3f}, {dhi:+.3f}], "
-                      f"p = {pc['p_two_sided']:.2g}")
+        elif baseline_users(name):  # a baseline of other runs, on another task than grpo's
+            vs = f"(the baseline of {', '.join(baseline_users(name))})"
+        elif name != BASELINE:
+            parts = []
+            for against in baselines_of(name):
+                pc = _paired(rows[against]["after"], after) if rows.get(against) is not None else None
+                if pc:
+                    dlo, dhi = pc["diff_ci95"]
+                    parts.append(f"{'' if against == BASELINE else f'vs {against}: '}+{pc['b']}/-{pc['c']}, {pc['diff']:+.3f} [{dlo:+.3f}, {dhi:+.3f}], "
+                                 f"p = {pc['p_two_sided']:.2g}")
+            vs = "; ".join(parts) or "-"
         b = f"{before['success']:.3f}" if before else "-"
         switch = r.get("switch", "").replace("|", "\\|")
         lines.append(f"| {name} | {switch} | {b} | {after['success']:.3f} [{lo:.3f}, {hi:.3f}] | {own} | {vs} | {r.get('wall_s', 0):.0f} |")

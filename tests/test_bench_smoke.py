@@ -145,6 +145,26 @@ def test_methods_demo_runs_compares_and_reuses(tmp_path):
     assert "curriculum.tail.enabled=false" not in json.loads((tmp_path / "res" / "arith_tail.json").read_text())["settings"]["sets"]
 
 
+
+def test_methods_demo_pairs_a_method_with_each_of_its_baselines(tmp_path):
+    """A method with two baselines (B-STaR: expert iteration at equal rounds and at equal episodes)
+    gets one paired comparison with each, counted by hand; each baseline names its user."""
+    import json
+
+    spec = importlib.util.spec_from_file_location("methods_demo", REPO / "benchmarks" / "methods_demo.py")
+    md = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(md)
+    assert md.baselines_of("arith_bstar") == ("arith_rft", "arith_rft_equal") and md.baselines_of("spo") == ("grpo",)
+    wins = {"arith_bstar": [1, 1, 1, 0, 0, 1], "arith_rft": [0, 0, 1, 0, 0, 1], "arith_rft_equal": [1, 0, 0, 1, 0, 1]}
+    for name, ok in wins.items():
+        items = [[seed, bool(o)] for seed, o in enumerate(ok)]
+        after = {"success": sum(ok) / len(ok), "ci95": [0.0, 1.0], "items": items}
+        (tmp_path / f"{name}.json").write_text(json.dumps({"after": after, "switch": name}))
+    rows = {line.split("|")[1].strip(): line for line in md.report(tmp_path).splitlines() if line.startswith("| arith_")}
+    # bstar against rft: won items 0 and 1, lost none; against rft_equal: won 1 and 2, lost 3
+    assert "vs arith_rft: +2/-0, +0.333" in rows["arith_bstar"] and "vs arith_rft_equal: +2/-1, +0.167" in rows["arith_bstar"]
+    assert "(the baseline of arith_bstar)" in rows["arith_rft"] and "(the baseline of arith_bstar)" in rows["arith_rft_equal"]
+
 def _failure_modes():
     spec = importlib.util.spec_from_file_location("failure_modes", REPO / "benchmarks" / "failure_modes.py")
     fm = importlib.util.module_from_spec(spec)
