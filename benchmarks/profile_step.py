@@ -2,6 +2,7 @@
 
     python benchmarks/profile_step.py --setting agent      # the vs_trl.py `agent` workload
     python benchmarks/profile_step.py --setting short --top 25
+    python benchmarks/profile_step.py --model tiny-random --top 5  # checks the script in seconds
 
 Runs one warm-up step, then profiles the next and prints the seconds of the rollout and
 the update and the functions with the most own time. The breakdown in docs/speed.md comes from
@@ -26,7 +27,8 @@ from recursa.algorithms.advantages import compute_advantages  # noqa: E402
 from recursa.envs.base import EnvPool  # noqa: E402
 from recursa.generation import SamplingParams  # noqa: E402
 from recursa.models import embedded_model_dir, load_policy  # noqa: E402
-from recursa.recipes.grpo import make_optimizer, step_generator, train_seeds, update  # noqa: E402
+from recursa.recipes.common import make_optimizer, step_generator  # noqa: E402
+from recursa.recipes.grpo import train_seeds, update  # noqa: E402
 from recursa.rollout import rollout  # noqa: E402
 from recursa.trajectory import collate  # noqa: E402
 
@@ -35,10 +37,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--setting", choices=sorted(vs_trl.SETTINGS), default="agent")
     ap.add_argument("--top", type=int, default=20, help="functions to list")
+    ap.add_argument("--model", default=None, help="the embedded SmolLM2-135M-Instruct (default), tiny-random, or a local HF directory")
     args = ap.parse_args()
     torch.set_num_threads(2)
     spec = vs_trl.SETTINGS[args.setting]
-    cfg = vs_trl.recursa_config(spec, str(embedded_model_dir()), 2)
+    cfg = vs_trl.recursa_config(spec, args.model or str(embedded_model_dir()), 2)
     policy = load_policy(cfg.model)
     optimizer = make_optimizer([p for p in policy.model.parameters() if p.requires_grad], cfg)
     envs = EnvPool(lambda: vs_trl.make_setting_env(spec))

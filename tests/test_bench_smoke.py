@@ -225,3 +225,55 @@ def test_decode_precision_gap_is_zero_for_the_same_model_and_grows_with_noise(tm
     rows = json.loads((tmp_path / "decode_precision.json").read_text())["rows"]
     assert {"decode_dtype = bfloat16", "decode_dtype = int8", "int8 on down_proj only"} <= set(rows)
     assert "| decode_dtype = int8 |" in (tmp_path / "decode_precision.md").read_text()
+
+
+def _bench(args: list[str], timeout: int = 300):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-2000:]
+    return done.stdout
+
+
+def test_profile_step_runs_on_the_tiny_model():
+    """benchmarks/profile_step.py imports what the recipes export today and profiles one step."""
+    out = _bench(["benchmarks/profile_step.py", "--model", "tiny-random", "--setting", "short", "--top", "3"])
+    assert "step 0: rollout" in out and "step 1: rollout" in out and "Ordered by: internal time" in out
+
+
+def test_rollout_throughput_paths_agree_at_float32(tmp_path):
+    """benchmarks/rollout_throughput.py on the tiny model: the continuous path plays the same
+    replies as the current one at float32 (agree = 1), reuses prompt prefixes, and the
+    bfloat16 copy's log-prob gap is measured."""
+    import json
+
+    _bench(["benchmarks/rollout_throughput.py", "--model", "tiny-random", "--games", "household", "--repeats", "1", "--out", str(tmp_path)])
+    (game,) = json.loads((tmp_path / "rollout_throughput.json").read_text())["games"]
+    paths = game["paths"]
+    assert set(paths) >= {"current", "continuous", "continuous-bf16"}
+    assert paths["continuous"]["agree"] == [1.0] and paths["continuous"]["reused_tokens"][0] > 0
+    assert paths["current"]["episodes"] == paths["continuous"]["episodes"] == [game["B"] * game["G"]]
+    assert paths["continuous-bf16"]["mismatch"] > 0 and (tmp_path / "rollout_throughput.md").exists()
+
+
+def test_engine_speed_native_matches_the_trainer(tmp_path):
+    """benchmarks/engine_speed.py, native engine on the tiny model: the sampler's log-probs are
+    the trainer's (float32 rounding only)."""
+    import json
+
+    _bench(["benchmarks/engine_speed.py", "--model", "tiny-random", "--engines", "native", "--repeats", "1", "--out", str(tmp_path)])
+    native = json.loads((tmp_path / "engine_speed.json").read_text())["engines"]["native"]
+    assert len(native["rollout_s"]) == 2 and max(native["mismatch"]) < 1e-4 and sum(native["gen_tokens"]) > 0
+
+
+def test_gate_simulation_keeps_its_error_budget(tmp_path):
+    """benchmarks/gate_simulation.py, few simulations: the gate's false-accept rate has an interval
+    that covers the budget's side, and the sample size is the one the power target asks."""
+    import json
+
+    out = tmp_path / "gate.json"
+    _bench(["benchmarks/gate_simulation.py", "--sims", "50", "--rounds", "2", "--out", str(out)])
+    r = json.loads(out.read_text())
+    lo, hi = r["false_accept"]["ci95"]
+    assert r["settings"]["sims"] == 50 and r["sample_size"] > 0 and lo <= r["settings"]["alpha"] and 0 <= lo <= r["false_accept"]["rate"] <= hi
