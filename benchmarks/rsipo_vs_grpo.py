@@ -15,6 +15,7 @@ the run's `episodes/sampled` metric; GRPO samples B x G per step).
     python benchmarks/rsipo_vs_grpo.py --games twx:twc --split gate --recipes grpo --seeds 0 --steps 8   # a pilot on the dev fold
     python benchmarks/rsipo_vs_grpo.py --games household_light --report --baseline grpo@lr1e-5   # compared with a tagged GRPO run
     python benchmarks/rsipo_vs_grpo.py --games household_light --recipes grpo --interpolate 0.5   # + each run's weights halfway to the warm start
+    python benchmarks/rsipo_vs_grpo.py --games household_light --recipes grpo --steps 16 --tag @x16 --extend-from @x   # runs of @x trained on
     python benchmarks/rsipo_vs_grpo.py --tiny --out /tmp/bench         # tiny random model on toy-corridor: checks the script
 
 Design (issue 12):
@@ -62,6 +63,7 @@ import argparse
 import hashlib
 import json
 import math
+import os
 import random
 import shutil
 import subprocess
@@ -319,7 +321,7 @@ def worker(spec: dict) -> None:
 
     from recursa.config import load_config
 
-    sets = rft_run_sets(spec["sets"]) if spec["recipe"] == "rft" else spec["sets"]
+    sets = worker_sets(spec)[0]
     cfg = load_config(None, [*sets, *spec.get("resume_sets", [])], recipe=spec["recipe"])
     train = importlib.import_module(f"recursa.recipes.{spec['recipe']}").train
     train(cfg, Path(spec["out"]), resume=bool(spec.get("resume")), log=lambda m: print(m, flush=True))
@@ -515,7 +517,10 @@ def run_one(name: str, seed: int, args, game: dict) -> dict | None:
             print(f"{game['env']:>10} {label(name, args):>14} seed {seed}: committed result ({path.relative_to(REPO) if path.is_relative_to(REPO) else path})", flush=True)
             return done
         if done["spec"] != spec:
-            print(f"{game['env']:>10} {label(name, args):>14} seed {seed}: the committed result has other settings; rerunning", flush=True)
+            if not args.replace:
+                raise SystemExit(f"{label(name, args)} seed {seed}: {path} holds a result of other settings; give these settings a --tag of "
+                                 "their own, or pass --replace to train them and replace that file")
+            print(f"{game['env']:>10} {label(name, args):>14} seed {seed}: the committed result has other settings; rerunning (--replace)", flush=True)
             done = None
         elif final_checkpoint(out, spec) is not None:
             interpolate_one(name, seed, args, game, spec, out, done, wanted)
@@ -558,21 +563,110 @@ def write_result(path: Path, record: dict) -> None:
     tmp.replace(path)
 
 
+def without_steps(spec: dict) -> dict:
+    return {**spec, "sets": [s for s in spec["sets"] if not s.startswith("train.steps=")]}
+
+
+def extension_source(name: str, seed: int, args, game: dict, spec: dict) -> tuple[Path, int]:
+    """(run directory, its steps) of the kept run that --extend-from names for this recipe and
+    seed: the same settings but fewer training steps, with its checkpoint at its last step.
+    The recipes' per-step seeds, learning rate (warm-up, then constant) and curriculum state do
+    not depend on train.steps, so going on from that checkpoint is the longer run itself."""
+    src = Path(args.runs_dir) / game["slug"] / f"{name}{args.extend_from}_seed{seed}"
+    try:
+        src_spec = json.loads((src / "bench_spec.json").read_text())
+    except (OSError, ValueError):
+        raise SystemExit(f"--extend-from {args.extend_from}: {src} holds no benchmark run to extend") from None
+    steps, mine = int(_last(src_spec["sets"], "train.steps")), int(_last(spec["sets"], "train.steps"))
+    if without_steps(src_spec) != without_steps(spec) or not steps < mine:
+        raise SystemExit(f"--extend-from {args.extend_from}: {src} was trained with other settings than these, or with {steps} steps, "
+                         f"not fewer than {mine}")
+    if final_checkpoint(src, src_spec) is None:
+        raise SystemExit(f"--extend-from {args.extend_from}: {src} kept no checkpoint at its step {steps}; train it with --keep-checkpoints")
+    problem = steps_dependence(spec)
+    if problem:
+        raise SystemExit(f"--extend-from {args.extend_from}: {problem}, so its first {steps} steps are not the shorter run's; train it whole")
+    return src, steps
+
+
+def steps_dependence(spec: dict) -> str | None:
+    """Why a run's first steps would depend on its train.steps (then it cannot be a shorter
+    run gone on with), or None."""
+    from recursa.config import load_config
+
+    if spec["recipe"] not in ("grpo", "rsipo"):
+        return f"recipe {spec['recipe']} counts its schedule in rounds of its own"
+    cfg = load_config(None, worker_sets(spec)[0], recipe=spec["recipe"])
+    if cfg.gate.mode != "off" or getattr(cfg.gate, "skills_every", 0):
+        return "its gate tests a candidate at the last step"
+    if getattr(getattr(cfg, "rloop", None), "enabled", False):
+        return "rloop's last phase ends at train.steps"
+    hatch = getattr(cfg, "hatch", None)
+    if hatch is not None and hatch.enabled and hatch.anneal_steps is None and hatch.anneal != "constant":
+        return "hatch's coefficient anneals over train.steps (set hatch.anneal_steps)"
+    return None
+
+
+def start_extension(src: Path, steps: int, out: Path, spec: dict, sets: list[str]) -> None:
+    """Make `out` the run `src` stopped at its last step, ready to be resumed under `spec`: its
+    logs, ledger, evaluations and attempts copied, its last checkpoint linked (never changed
+    in place), its final evaluation relabelled as the mid-run one of that step (the longer run
+    evaluates there too), and the longer run's config. `bench_spec.json` comes last: a copy cut
+    off before it is started again from scratch."""
+    from recursa.config import dump_config, load_config
+    from recursa.store import RunStore
+
+    if out.exists():
+        shutil.rmtree(out)
+    (out / "eval").mkdir(parents=True)
+    for f in src.iterdir():
+        if f.is_file() and f.suffix in (".jsonl", ".sqlite"):
+            shutil.copy2(f, out / f.name)
+    for f in (src / "eval").glob("*.json"):
+        shutil.copy2(f, out / "eval" / f.name)
+    ckpt = Path("checkpoints") / f"step_{steps:06d}"
+    for f in (src / ckpt).rglob("*"):
+        if f.is_file():
+            (out / f.relative_to(src)).parent.mkdir(parents=True, exist_ok=True)
+            os.link(f, out / f.relative_to(src))
+    store = RunStore(out)
+    try:
+        store.reconcile(log=lambda _: None)  # the checkpoints not linked lose their ledger rows
+        store.relabel_eval("after", f"step_{steps:04d}")
+    finally:
+        store.close()
+    (out / "config.toml").write_text(dump_config(load_config(None, sets, recipe=spec["recipe"])))
+    (out / "bench_spec.json").write_text(json.dumps(spec, indent=1) + "\n")
+
+
+def worker_sets(spec: dict) -> tuple[list[str], list[str]]:
+    """(the run's overrides, the checkpointing ones the benchmark adds): checkpoints at every
+    evaluation point, so a run cut off (a sitting's end) resumes there; they do not change what
+    the run computes (resume replays the uninterrupted run)."""
+    every = next(int(s.split("=", 1)[1]) for s in spec["sets"] if s.startswith("eval.every="))
+    sets = rft_run_sets(spec["sets"]) if spec["recipe"] == "rft" else spec["sets"]
+    return sets, [f"run.checkpoint_every={every}", "run.keep_last=2"]
+
+
 def train_one(name: str, seed: int, args, game: dict, spec: dict, out: Path) -> dict:
-    """Train (or resume) one run in `out` in a subprocess; its result record (checkpoints kept)."""
+    """Train (or resume, or extend: --extend-from) one run in `out` in a subprocess; its result
+    record (checkpoints kept)."""
     resume = resumable(out, spec)
+    extended = None
     if resume:
         print(f"{game['env']:>10} {label(name, args):>14} seed {seed}: resuming the interrupted run in {out}", flush=True)
+    elif getattr(args, "extend_from", None) is not None:
+        src, steps = extension_source(name, seed, args, game, spec)
+        print(f"{game['env']:>10} {label(name, args):>14} seed {seed}: going on from step {steps} of {src}", flush=True)
+        start_extension(src, steps, out, spec, [*sum(worker_sets(spec), [])])
+        resume, extended = True, {"run": str(src.relative_to(REPO)) if src.is_relative_to(REPO) else str(src), "steps": steps}
     else:
         if out.exists():
             shutil.rmtree(out)
         out.mkdir(parents=True)
         (out / "bench_spec.json").write_text(json.dumps(spec, indent=1) + "\n")
-    # checkpoints at every evaluation point, so a run cut off (a sitting's end) resumes there;
-    # they do not change what the run computes (resume replays the uninterrupted run)
-    every = next(int(s.split("=", 1)[1]) for s in spec["sets"] if s.startswith("eval.every="))
     worker_spec = {"recipe": spec["recipe"], "sets": spec["sets"], "out": str(out), "tiny": args.tiny, "resume": resume,
-                   "resume_sets": [f"run.checkpoint_every={every}", "run.keep_last=2"]}
+                   "resume_sets": worker_sets(spec)[1]}
     attempts = out / "bench_attempts.jsonl"
     with attempts.open("a") as fh:
         fh.write(json.dumps({"start": time.time()}) + "\n")
@@ -591,7 +685,8 @@ def train_one(name: str, seed: int, args, game: dict, spec: dict, out: Path) -> 
     if proc.returncode != 0:
         raise SystemExit(f"{name} seed {seed} failed (exit {proc.returncode}); log: {log}\n{log.read_text()[-2000:]}")
     return {"spec": spec, "env": game["env"], "recipe": name, "seed": seed, **read_run(out, spec, game), "wall_s": round(wall, 1), "pieces": pieces,
-            "finished": time.strftime("%Y-%m-%d %H:%M:%S"), "run_dir": str(out.relative_to(REPO)) if out.is_relative_to(REPO) else str(out)}
+            "finished": time.strftime("%Y-%m-%d %H:%M:%S"), "run_dir": str(out.relative_to(REPO)) if out.is_relative_to(REPO) else str(out),
+            **({"extended_from": extended} if extended else {})}
 
 
 # --interpolate: a trained run's final weights moved toward its warm start, theta_0 + alpha
@@ -965,6 +1060,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--interpolate", default="", metavar="ALPHA[,ALPHA]",
                    help="also evaluate each trained run's final weights moved toward the warm start, theta_0 + ALPHA (theta - theta_0), "
                    "as recipe <name>+wise<ALPHA> (fix ALPHA before the runs); a committed run whose weights were not kept is trained again")
+    p.add_argument("--extend-from", metavar="TAG", help="train each run by going on from the kept last checkpoint of the same recipe and seed "
+                   "under TAG (--keep-checkpoints), trained with the same settings but fewer --steps: e.g. --steps 16 --tag @x16 --extend-from @x")
+    p.add_argument("--replace", action="store_true", help="a committed result of other settings under the same name is trained again and replaced "
+                   "(without it, such a run stops with an error)")
     p.add_argument("--report", action="store_true", help="run nothing: tables and plots from the result files present")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)

@@ -150,6 +150,21 @@ class RunStore:
         fault_point("eval.renamed")
         self.log_metrics(step, metrics)
 
+    def relabel_eval(self, label: str, new_label: str) -> None:
+        """Give the committed evaluation eval/<label>.json the label `new_label` (its file
+        renamed, its ledger row changed), e.g. a finished run's `after` made the mid-run
+        evaluation of its step when the run is trained further. The ledger changes first: a
+        kill between the two leaves a row whose file is missing, which `reconcile` drops."""
+        old, new = self.path / "eval" / f"{label}.json", self.path / "eval" / f"{new_label}.json"
+        if not old.exists():
+            raise UserError(f"{self.path} has no evaluation {label!r} to relabel")
+        if new.exists():
+            raise UserError(f"{self.path} already has an evaluation {new_label!r}")
+        self.db.execute("UPDATE evaluations SET label = ?, path = ? WHERE path = ?", (new_label, str(new.relative_to(self.path)), str(old.relative_to(self.path))))
+        self.db.commit()
+        old.rename(new)
+        fsync_dir(new.parent)
+
     # ---- checkpoints ------------------------------------------------------------
     def checkpoint_dir(self, step: int) -> Path:
         return self.path / "checkpoints" / f"step_{step:06d}"

@@ -751,6 +751,46 @@ def test_benchmark_run_cut_off_resumes_where_it_stopped(tmp_path):
     assert [(p["episodes"], p["items"]) for p in a["curve"]] == [(p["episodes"], p["items"]) for p in b["curve"]]
 
 
+
+def test_benchmark_extends_a_kept_run_to_more_steps(tmp_path):
+    """--extend-from: a run trained further from a kept shorter run's last checkpoint equals the
+    longer run trained whole (curve and held-out games), keeps the shorter run's final
+    evaluation as its mid-run point, counts both pieces' wall time and says where it came
+    from; the shorter run's directory is left as it was. A committed result of other settings
+    under the same name is never replaced without --replace."""
+    import subprocess
+    import sys
+
+    def bench(steps: str, *extra: str, check: bool = True):
+        cmd = [sys.executable, str(REPO / "benchmarks" / "rsipo_vs_grpo.py"), "--tiny", "--recipes", "grpo", "--seeds", "0", "--steps", steps,
+               "--eval-n", "4", "--eval-every", "1", "--out", str(tmp_path / "out"), "--runs-dir", str(tmp_path / "runs"), *extra]
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+        assert not check or proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return proc
+
+    bench("2", "--keep-checkpoints", "--tag", "@short")
+    short_dir = tmp_path / "runs" / "toy_corridor" / "grpo@short_seed0"
+    before = sorted((p.relative_to(short_dir), p.stat().st_size) for p in short_dir.rglob("*") if p.is_file() and p.name != ".recursa.lock")
+    out = bench("3", "--tag", "@long", "--extend-from", "@short").stdout
+    assert "going on from step 2" in out
+    bench("3", "--tag", "@whole")
+    games = tmp_path / "out" / "toy_corridor"
+    ext, whole, short = (json.loads((games / f"grpo@{t}_seed0.json").read_text()) for t in ("long", "whole", "short"))
+    assert ext["spec"] == whole["spec"] and ext["heldout"]["items"] == whole["heldout"]["items"]
+    assert [(p["episodes"], p["items"]) for p in ext["curve"]] == [(p["episodes"], p["items"]) for p in whole["curve"]]
+    assert [p["step"] for p in ext["curve"]] == [1, 2, 3] 
+    assert [(i["seed"], i["success"]) for i in ext["curve"][1]["items"]] == [(i["seed"], i["success"]) for i in short["heldout"]["items"]]
+    assert ext["extended_from"] == {"run": str(short_dir), "steps": 2} and ext["pieces"] == 2 and "extended_from" not in whole
+    assert sorted((p.relative_to(short_dir), p.stat().st_size) for p in short_dir.rglob("*") if p.is_file() and p.name != ".recursa.lock") == before
+
+    # refusals, each one line: a source of other settings, a source without its checkpoint,
+    # and a committed result of other settings under the same name
+    bad = bench("3", "--tag", "@x", "--extend-from", "@whole", check=False)
+    assert bad.returncode != 0 and "with 3 steps, not fewer than 3" in bad.stderr
+    bad = bench("4", "--tag", "@long", "--set", "train.lr=0.5", check=False)
+    assert bad.returncode != 0 and "holds a result of other settings" in bad.stderr and "--replace" in bad.stderr
+    assert json.loads((games / "grpo@long_seed0.json").read_text()) == ext
+
 def test_benchmark_interpolated_weights_are_a_recipe_of_their_own(tmp_path):
     """--interpolate: each trained run's final weights moved toward the warm start are
     evaluated on the same held-out games and written as <name>+wise<alpha>; a committed run

@@ -70,3 +70,30 @@ def test_resume_auto_continues_in_place_like_an_uninterrupted_run(tmp_path, caps
     fresh = tmp_path / "fresh"
     assert main(["train", SMOKE, "--out", str(fresh), *sets, "--set", "train.steps=1", "--set", "run.resume='auto'"]) == 0
     assert [r["step"] for r in _rows(fresh) if "reward/mean" in r] == [1]
+
+
+def test_relabel_eval_moves_file_and_ledger_row_and_refuses_clashes(tmp_path):
+    """RunStore.relabel_eval: the file and its ledger row move together, a reconcile after it
+    changes nothing, and a missing label or a taken one is a one-line error."""
+    import pytest
+
+    from recursa.errors import UserError
+    from recursa.evaluate import EvalResult
+
+    store = RunStore(tmp_path / "run")
+    try:
+        r = EvalResult(env="toy", split="test", n=2, mean_reward=0.5, success_rate=0.5, ci95=(0.1, 0.9), mean_reward_ci95=(0.0, 1.0))
+        for label, step in (("after", 4), ("step_0002", 2)):
+            store.save_eval(step, label, r, store.path / "eval" / f"{label}.json", {"eval/success_rate": 0.5})
+        store.relabel_eval("after", "step_0004")
+        rows = sorted(store.db.execute("SELECT step, label, path FROM evaluations"))
+        assert rows == [(2, "step_0002", "eval/step_0002.json"), (4, "step_0004", "eval/step_0004.json")]
+        assert sorted(p.name for p in (store.path / "eval").glob("*.json")) == ["step_0002.json", "step_0004.json"]
+        store.reconcile(log=lambda _: None)
+        assert sorted(store.db.execute("SELECT step, label, path FROM evaluations")) == rows
+        with pytest.raises(UserError, match="no evaluation 'after'"):
+            store.relabel_eval("after", "x")
+        with pytest.raises(UserError, match="already has an evaluation 'step_0004'"):
+            store.relabel_eval("step_0002", "step_0004")
+    finally:
+        store.close()
