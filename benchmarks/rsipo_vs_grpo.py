@@ -517,7 +517,7 @@ def run_one(name: str, seed: int, args, game: dict) -> dict | None:
             print(f"{game['env']:>10} {label(name, args):>14} seed {seed}: committed result ({path.relative_to(REPO) if path.is_relative_to(REPO) else path})", flush=True)
             return done
         if done["spec"] != spec:
-            if not args.replace:
+            if not getattr(args, "replace", False):
                 raise SystemExit(f"{label(name, args)} seed {seed}: {path} holds a result of other settings; give these settings a --tag of "
                                  "their own, or pass --replace to train them and replace that file")
             print(f"{game['env']:>10} {label(name, args):>14} seed {seed}: the committed result has other settings; rerunning (--replace)", flush=True)
@@ -655,10 +655,16 @@ def train_one(name: str, seed: int, args, game: dict, spec: dict, out: Path) -> 
     extended = None
     if resume:
         print(f"{game['env']:>10} {label(name, args):>14} seed {seed}: resuming the interrupted run in {out}", flush=True)
-    elif getattr(args, "extend_from", None) is not None:
+    elif getattr(args, "extend_from", None) is not None and name != "warm_start":
         src, steps = extension_source(name, seed, args, game, spec)
         print(f"{game['env']:>10} {label(name, args):>14} seed {seed}: going on from step {steps} of {src}", flush=True)
-        start_extension(src, steps, out, spec, [*sum(worker_sets(spec), [])])
+        sets, checkpointing = worker_sets(spec)
+        from recursa.errors import UserError
+
+        try:
+            start_extension(src, steps, out, spec, [*sets, *checkpointing])
+        except UserError as exc:
+            raise SystemExit(f"--extend-from {args.extend_from}: {exc}") from None
         resume, extended = True, {"run": str(src.relative_to(REPO)) if src.is_relative_to(REPO) else str(src), "steps": steps}
     else:
         if out.exists():
