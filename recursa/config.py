@@ -851,6 +851,21 @@ class RLoopConfig(_Section):
     final_sft: bool = Field(True, description="when train.steps is a multiple of rl_steps, the last phase ends with its fine-tune too (the run's result is the refreshed policy); off: it ends on the RL policy")
 
 
+class AnchorConfig(_Section):
+    """Demonstrations the policy keeps imitating while it learns from rewards (`recursa/anchor.py`)."""
+
+    coef: float = Field(0.0, ge=0, description="weight c of the demonstration anchor: every optimizer step adds c x the token-mean NLL of `rows` "
+                        "demonstration rows to the policy loss, so that what the warm start was taught (e.g. task types the rewards stop "
+                        "visiting) is not traded away (0 = off)")
+    source: Literal["auto", "walkthrough", "reference"] = Field("auto", description="walkthrough: a game's oracle play; reference: a single-turn "
+                                                                 "task's reference answer; auto: walkthrough for games, reference otherwise")
+    n: int = Field(32, ge=1, description="training items the demonstrations come from (items start .. start + n - 1 of the train split; the SFT "
+                   "warm start's own data.n and data.start give back its demonstrations)")
+    start: int = Field(0, ge=0, description="index of the first of those training items")
+    rows: int = Field(8, ge=1, description="demonstration rows (turns, for games) in each optimizer step's anchor term, drawn without replacement "
+                      "from a generator seeded by (train.seed, optimizer step)")
+
+
 class GRPOConfig(RecipeBase):
     """The GRPO-family recipe (`recursa/recipes/grpo.py`)."""
 
@@ -862,6 +877,7 @@ class GRPOConfig(RecipeBase):
     reward: list[RewardEntry] = Field(default_factory=list, description="[[reward]] entries: the training reward is their weighted sum (none: the env's reward)")
     curriculum: CurriculumConfig = Field(default_factory=CurriculumConfig)
     rloop: RLoopConfig = Field(default_factory=RLoopConfig)
+    anchor: AnchorConfig = Field(default_factory=AnchorConfig)
 
     @model_validator(mode="after")
     def _check_rloop(self) -> "GRPOConfig":

@@ -59,6 +59,7 @@ from recursa.algorithms.losses import entropy_bonus, ppo_clip_loss, truncated_is
 from recursa.algorithms.objectives import (
     apo_loss, apo_values, nft_loss, pg_loss, ratio_stats, rebel_loss, sequence_sums, sequence_surrogate, sequence_weights, spo_loss,
 )
+from recursa.anchor import Anchor, make_anchor
 from recursa.branching import branch_metrics, branched_advantages, sample_branches
 from recursa.config import OUTCOME_OBJECTIVES, GRPOConfig
 from recursa.curriculum import Curriculum, check_curriculum
@@ -66,6 +67,7 @@ from recursa.distributed.ddp import SINGLE, DataParallel, SingleProcess
 from recursa.distributed.rollouts import make_rollouts
 from recursa.engines import make_engine
 from recursa.envs import split_seed
+from recursa.errors import UserError
 from recursa.generation import GenerationStats, SamplingParams, prefix_lengths, sequence_logprobs, shared_prefix_logprobs
 from recursa.models import Policy
 from recursa.recipes.common import Progress, check_finite, eval_before, lr_at, mid_eval, mid_eval_due, mid_eval_missing, open_run, run_eval, step_generator
@@ -97,6 +99,7 @@ class UpdateStats:
     logprob_mismatch: float = float("nan")  # mean |logp_engine - logp_trainer| at the rollout's weights over action tokens (see `update`)
     tis_weight_mean: float = float("nan")  # mean truncated importance weight (rollout.tis_cap), over the tokens it weighted
     tis_clip_frac: float = 0.0  # share of those tokens whose weight was truncated at the cap
+    anchor_nll: float = 0.0  # mean NLL per target token of the demonstration anchor's rows (anchor.coef > 0), averaged over optimizer steps
 
 
 @dataclass
@@ -208,6 +211,7 @@ def update(
     imitation: Imitation | None = None,
     learner: DataParallel | SingleProcess = SINGLE,
     outcomes: Outcomes | None = None,
+    anchor: Anchor | None = None,
 ) -> UpdateStats:
     """epochs x mini-batches of the objective's loss on one rollout batch; returns averaged stats.
 
@@ -296,7 +300,7 @@ def update(
             # exactly the full batch's. Zero-variance groups are common late in training.
             work = mb_idx[_live_rows(signal, cfg, imitation, mb_idx)]
             out.rows_run += len(work)
-            if len(work) == 0 and tc.skip_empty_steps:  # a zero gradient: no AdamW step on momentum alone
+            if len(work) == 0 and tc.skip_empty_steps and anchor is None:  # a zero gradient: no AdamW step on momentum alone
                 out.skipped_steps += 1
                 continue
             mine = learner.shard(work, tc.micro_batch_size)  # this rank's run of whole micro-batches (all of them in one process)
@@ -343,6 +347,8 @@ def update(
                 for p in model.parameters():
                     if p.requires_grad:
                         p.grad = torch.zeros_like(p)
+            if anchor is not None:  # the demonstration anchor's term (recursa/anchor.py), once per optimizer step
+                out.anchor_nll += anchor.backward(model, opt_step, tc.micro_batch_size, tc.logit_chunk, batch.device)
             # clip the global norm and step (data-parallel: the gradients summed onto rank 0 first)
             out.grad_norm += learner.step(optimizer, [p for p in model.parameters() if p.requires_grad], tc.max_grad_norm)
             opt_step += 1
@@ -351,7 +357,7 @@ def update(
     out.loss, out.clip_frac, out.kl, out.approx_kl_old, ent_sum, ent_tokens = learner.sum_stats(
         [out.loss, out.clip_frac, out.kl, out.approx_kl_old, ent_sum, ent_tokens])
     out.ratio_max = learner.max_stat(out.ratio_max)
-    for name in ("loss", "clip_frac", "kl", "approx_kl_old", "grad_norm"):
+    for name in ("loss", "clip_frac", "kl", "approx_kl_old", "grad_norm", "anchor_nll"):
         setattr(out, name, getattr(out, name) / max(n_stats, 1))
     out.entropy = ent_sum / ent_tokens if ent_tokens else float("nan")  # over the rows run
     gap.report(out)
@@ -675,6 +681,11 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
     if reward_set is not None and run.state.get("rewards"):
         reward_set.load_state_dict(run.state["rewards"])  # self_consistency's label-accuracy counts at the checkpoint
     curriculum = Curriculum.open(cfg, multi_turn, run.state)  # None when [curriculum] is off
+    anchor, note = make_anchor(cfg, pool, policy.tokenizer)  # demonstrations imitated at every optimizer step; None when anchor.coef = 0
+    if anchor is not None:
+        if run.learner.world_size > 1:
+            raise UserError("anchor.coef > 0 is not available with a data-parallel learner yet: run it in one process, or set anchor.coef = 0")
+        log(note)
     eval_before(run, cfg, progress, log, engine=engine)
 
     if mid_eval_missing(cfg, store, start_step, cfg.train.steps):  # resumed at a checkpoint whose evaluation was cut off
@@ -707,7 +718,7 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
         if cfg.algo.objective in OUTCOME_OBJECTIVES:  # the sequence objectives read each sequence's outcome
             outcomes = Outcomes(rewards, torch.tensor(played.success, dtype=torch.float32, device="cpu").view(B, G),
                                 torch.tensor(played.row_seq, dtype=torch.long, device="cpu"))
-        st = update(policy, optimizer, batch, cfg, gen, opt_step, learner=run.learner, outcomes=outcomes)
+        st = update(policy, optimizer, batch, cfg, gen, opt_step, learner=run.learner, outcomes=outcomes, anchor=anchor)
         check_finite(step + 1, loss=st.loss, grad_norm=st.grad_norm)
         opt_step += st.opt_steps
         tp = time.perf_counter()
@@ -742,6 +753,8 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
             **rollouts.metrics(),
             **pool.metrics(),  # env/restarts: games that crashed or hung this step
         }
+        if anchor is not None:
+            metrics["anchor/nll"] = st.anchor_nll  # the demonstrations' NLL per target token, before each optimizer step's update
         if curriculum is not None:  # the arms' pass-rate averages and the tail table learn from this step
             curriculum.observe(tasks, played.wins)
             metrics.update(curriculum.metrics())
