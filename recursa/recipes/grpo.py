@@ -63,6 +63,7 @@ from recursa.anchor import Anchor, make_anchor
 from recursa.branching import branch_metrics, branched_advantages, sample_branches
 from recursa.config import OUTCOME_OBJECTIVES, GRPOConfig
 from recursa.curriculum import Curriculum, check_curriculum
+from recursa.distributed import ddp
 from recursa.distributed.ddp import SINGLE, DataParallel, SingleProcess
 from recursa.distributed.rollouts import make_rollouts
 from recursa.engines import make_engine
@@ -664,6 +665,8 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
     single_turn_error = (f"rollout.branch = {cfg.rollout.branch!r} branches multi-turn games, but this task is single-turn (one reply per episode, "
                          "nothing to replay): set rollout.branch = 'off', or train on a game such as env.name = 'household'") if branching else None
     check_curriculum(cfg)  # a bad arm option or tail hint fails before the run directory is touched
+    if cfg.anchor.coef > 0 and ddp.active():
+        raise UserError("anchor.coef > 0 is not available with a data-parallel learner yet: run it in one process, or set anchor.coef = 0")
     run = open_run(cfg, out, resume, log, kl_reference=cfg.algo.needs_reference, single_turn_error=single_turn_error)
     pool, store, policy, optimizer, multi_turn = run.pool, run.store, run.policy, run.optimizer, run.multi_turn
     model = policy.causal_lm
@@ -683,8 +686,6 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
     curriculum = Curriculum.open(cfg, multi_turn, run.state)  # None when [curriculum] is off
     anchor, note = make_anchor(cfg, pool, policy.tokenizer)  # demonstrations imitated at every optimizer step; None when anchor.coef = 0
     if anchor is not None:
-        if run.learner.world_size > 1:
-            raise UserError("anchor.coef > 0 is not available with a data-parallel learner yet: run it in one process, or set anchor.coef = 0")
         log(note)
     eval_before(run, cfg, progress, log, engine=engine)
 
