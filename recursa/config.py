@@ -1110,6 +1110,7 @@ class RSIPOConfig(RecipeBase):
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     reward: list[RewardEntry] = Field(default_factory=list, description="[[reward]] entries: the training reward is their weighted sum (none: the env's reward)")
     curriculum: CurriculumConfig = Field(default_factory=CurriculumConfig)
+    anchor: AnchorConfig = Field(default_factory=AnchorConfig)
 
     @model_validator(mode="after")
     def _check(self) -> "RSIPOConfig":

@@ -112,10 +112,13 @@ from recursa.algorithms.hinted import all_failed, anneal, hinted_token_advantage
 from recursa.algorithms.losses import part_scales
 from recursa.algorithms.routing import ALL_WIN, critical_weights, divergence_turn, group_routes, route_counts, route_gate
 from recursa.algorithms.trust import TrustEstimator, agreement_trials
+from recursa.anchor import make_anchor
 from recursa.config import RSIPOConfig
 from recursa.curriculum import Curriculum, check_curriculum
+from recursa.distributed import ddp
 from recursa.engines import make_engine
 from recursa.envs import EnvPool, system_prompt_of
+from recursa.errors import UserError
 from recursa.generation import GenerationStats, SamplingParams, generate, sequence_logprobs, shared_prefix_logprobs
 from recursa.models import Policy
 from recursa.distributed.rollouts import LocalRollouts, RolloutBackend, make_rollouts
@@ -1122,6 +1125,8 @@ def final_evals(policy: Policy, cfg: RSIPOConfig, run, library: SkillLibrary, mu
 def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress | None = None, log: Callable[[str], None] = print) -> Path:
     """Run the recipe into `out` (continuing from its last checkpoint when `resume`)."""
     check_curriculum(cfg)  # a bad arm option or tail hint fails before the run directory is touched
+    if cfg.anchor.coef > 0 and ddp.active():
+        raise UserError("anchor.coef > 0 is not available with a data-parallel learner yet: run it in one process, or set anchor.coef = 0")
     run = open_run(cfg, out, resume, log, kl_reference=cfg.algo.kl_coef > 0, detail=f"; teacher {cfg.teacher.source}")
     pool, store, policy, optimizer, multi_turn = run.pool, run.store, run.policy, run.optimizer, run.multi_turn
     system = system_prompt_of(pool.take(1)[0]) or cfg.model.system_prompt or None
@@ -1156,6 +1161,9 @@ def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress 
     failures: deque[tuple[str, str]] = deque((failure_of(a) for a in played_before if not a.success), maxlen=4)  # recent failures (restored on resume), what prompt proposals read
     rollouts = make_rollouts(cfg, policy, pool, log, engine)  # in this process (through the engine), or on Ray workers
     curriculum = Curriculum.open(cfg, multi_turn, run.state)  # curriculum arms (recursa/curriculum.py); None when off
+    anchor, note = make_anchor(cfg, pool, policy.tokenizer)  # demonstrations imitated at every optimizer step (recursa/anchor.py); None when off
+    if anchor is not None:
+        log(note)
     eval_before(run, cfg, progress, log, hints=hints_for, engine=engine)
 
     if mid_eval_missing(cfg, store, run.start_step, cfg.train.steps):  # resumed at a checkpoint whose evaluation was cut off
@@ -1204,7 +1212,7 @@ def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress 
         # ---- token advantages, then one update on the policy, writing, hinted and win rows
         imitation, shares, extra = set_advantages(batch, played, skills, hinted, wins, taught, cfg)
         check_finite(step + 1, **{"advantages (outcome x teacher scale)": batch.advantages})
-        st = update(policy, optimizer, batch, cfg, gen, opt_step, imitation, learner=run.learner)
+        st = update(policy, optimizer, batch, cfg, gen, opt_step, imitation, learner=run.learner, anchor=anchor)
         check_finite(step + 1, loss=st.loss, grad_norm=st.grad_norm)
         opt_step += st.opt_steps
         episodes += len(played.attempts) + hinted.episodes
@@ -1213,6 +1221,8 @@ def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress 
 
         metrics = {**step_metrics(played, skills, hinted, wins, taught, shares, extra, routes, st, len(batch), cfg, opt_step, episodes, times),
                    **rollouts.metrics(), **pool.metrics()}
+        if anchor is not None:
+            metrics["anchor/nll"] = st.anchor_nll  # the demonstrations' NLL per target token, before each optimizer step's update
         if curriculum is not None:  # the arms' pass-rate averages learn from this step's groups
             curriculum.observe(tasks, played.success.tolist())
             metrics.update(curriculum.metrics())
