@@ -70,8 +70,12 @@ def test_anchor_draws_distinct_rows_from_its_step_seed():
     a = Anchor(rows, 1.0, per_step=4, seed=3, pad_id=0)
     first = a.pick(5)
     assert first == a.pick(5) and len(set(first)) == 4 and all(0 <= i < 10 for i in first)
-    assert a.pick(6) != first or a.pick(7) != first  # other steps draw other rows
-    assert Anchor(rows, 1.0, per_step=4, seed=4, pad_id=0).pick(5) != first or Anchor(rows, 1.0, 4, 5, 0).pick(5) != first
+    assert a.pick(6) != first and a.pick(7) != first  # other steps draw other rows
+    assert Anchor(rows, 1.0, per_step=4, seed=4, pad_id=0).pick(5) != first  # so does another training seed
+    draws = {tuple(sorted(a.pick(s))) for s in range(40)}
+    assert len(draws) >= 30  # C(10, 4) = 210 subsets: forty steps do not keep drawing the same few
+    counts = [sum(i in a.pick(s) for s in range(400)) for i in rows]
+    assert min(counts) > 100 and max(counts) < 220  # each row in ~160 of 400 draws (4/10): none left out or favoured
     assert sorted(Anchor(rows[:3], 1.0, per_step=8, seed=0, pad_id=0).pick(0)) == [0, 1, 2]  # fewer rows than asked: all of them
 
 
