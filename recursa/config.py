@@ -857,10 +857,13 @@ class AnchorConfig(_Section):
     coef: float = Field(0.0, ge=0, description="weight c of the demonstration anchor: every optimizer step adds c x the token-mean NLL of `rows` "
                         "demonstration rows to the policy loss, so that what the warm start was taught (e.g. task types the rewards stop "
                         "visiting) is not traded away (0 = off)")
-    source: Literal["auto", "walkthrough", "reference"] = Field("auto", description="walkthrough: a game's oracle play; reference: a single-turn "
-                                                                 "task's reference answer; auto: walkthrough for games, reference otherwise")
+    source: Literal["auto", "walkthrough", "reference", "successes"] = Field(
+        "auto", description="walkthrough: a game's oracle play; reference: a single-turn task's reference answer; auto: walkthrough for games, "
+        "reference otherwise; successes: self-imitation, the run's own won episodes of earlier steps (grpo recipe), drawn evenly across "
+        "curriculum arms")
     n: int = Field(32, ge=1, description="training items the demonstrations come from (items start .. start + n - 1 of the train split; the SFT "
-                   "warm start's own data.n and data.start give back its demonstrations)")
+                   "warm start's own data.n and data.start give back its demonstrations); successes: distinct won episodes kept per "
+                   "curriculum arm, the oldest dropped first")
     start: int = Field(0, ge=0, description="index of the first of those training items")
     rows: int = Field(8, ge=1, description="demonstration rows (turns, for games) in each optimizer step's anchor term, drawn without replacement "
                       "from a generator seeded by (train.seed, optimizer step)")
@@ -1128,6 +1131,9 @@ class RSIPOConfig(RecipeBase):
                 raise ValueError("hatch.hint = 'skill' re-rolls with the library's skill, but skills.enabled = false writes none: enable skills or use hatch.hint = 'reflection'")
             if self.skills.in_context:
                 raise ValueError("hatch.hint = 'skill' with skills.in_context = true re-rolls with the skill the policy already sees: use hatch.hint = 'reflection', or in_context = false")
+        if self.anchor.coef > 0 and self.anchor.source == "successes":
+            raise ValueError("anchor.source = 'successes' (self-imitation) is an option of the grpo recipe; RSIPO replays stored wins "
+                             "for all-win groups (route.mode = 'pass_rate', route.win_coef): use recipe = 'grpo', or anchor.source = 'walkthrough' / 'reference'")
         if self.teacher.critical != "off" and self.teacher.source == "none":
             raise ValueError("teacher.critical weights the teacher term, but teacher.source = 'none' has no teacher: set a source or teacher.critical = 'off'")
         if self.teacher.source == "skill" and not self.skills.enabled:

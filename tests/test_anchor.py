@@ -16,6 +16,7 @@ from recursa.envs.dataset import task_factory
 from recursa.errors import UserError
 from recursa.models import load_policy
 from recursa.recipes.grpo import train
+from recursa.trajectory import Trajectory
 
 HOUSEHOLD = ['env.name="household"', 'env.kwargs={rooms = 1, objects_per_room = 2, distractors = 0, tasks = "pick_and_place", max_steps = 6}',
              "agent.history_turns=1", 'model.name="tiny-random"', "sampling.max_new_tokens=8", "run.threads=1"]
@@ -110,3 +111,102 @@ def test_rsipo_with_the_anchor_learns_its_demonstrations(tmp_path):
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     nll = [r["anchor/nll"] for r in rows if "anchor/nll" in r]
     assert len(nll) == 3 and all(b < a for a, b in zip(nll, nll[1:])) and nll[-1] < 0.9 * nll[0], nll
+
+
+# ---------------------------------------------------------------- self-imitation (source = "successes")
+
+class CoinEnv:
+    """Toy single-turn task the tiny random model wins about half the time: a reply wins when
+    the sum of its character codes is even."""
+
+    name = "toy-coin"
+    system_prompt = None
+
+    def reset(self, seed: int) -> str:
+        return f"Say anything. Item {seed % 7}."
+
+    def step(self, action_text: str):
+        from recursa.envs import StepResult
+
+        won = sum(map(ord, action_text or "")) % 2 == 0
+        return StepResult("", float(won), True, {"success": won})
+
+
+def _register_coin():
+    from recursa.envs import register_env
+
+    register_env("toy-coin", CoinEnv, "toy: a reply wins when its character codes sum to an even number (tests)")
+
+
+def _row(seed: int, ids: list[int], text: str = "") -> Trajectory:
+    return Trajectory("toy", seed, 0, ids, [0] + [1] * (len(ids) - 1), [0.0] * len(ids), 1.0, True, completion_text=text)
+
+
+def test_successes_draw_evenly_across_strata_and_keep_distinct_wins():
+    a = Anchor([], 1.0, per_step=6, seed=0, pad_id=0, keys=[], capacity=3)
+    assert a.empty() and a.pick(0) == []
+    wins = [("pick", (1, ("a",)), [_row(1, [5, 6])]), ("pick", (1, ("a",)), [_row(1, [5, 6])]),  # the same win twice: kept once
+            ("pick", (2, ("b",)), [_row(2, [5, 7])]), ("heat", (3, ("c", "d")), [_row(3, [8, 9]), _row(3, [8, 9, 10])])]
+    assert a.observe(wins) == 3
+    assert a.keys == ["heat", "heat", "pick", "pick"]  # strata in name order, each in arrival order
+    for step in range(20):  # 6 rows asked, 3 a stratum, but heat and pick have only 2 each: all four rows
+        assert sorted(a.pick(step)) == [0, 1, 2, 3]
+    more = [("pick", (k, ("x",)), [_row(k, [5, k])]) for k in range(10, 14)]
+    assert a.observe(more) == 4
+    pick_rows = [r.seed for r, k in zip(a.rows, a.keys) if k == "pick"]
+    assert pick_rows == [11, 12, 13]  # capacity 3 a stratum, oldest out first
+    for step in range(20):
+        chosen = a.pick(step)
+        assert len(chosen) == 5 and sum(a.keys[i] == "heat" for i in chosen) == 2  # heat gives all it has, pick its 3
+    b = Anchor([], 1.0, per_step=1, seed=0, pad_id=0, keys=[], capacity=3)
+    b.observe(wins + more)
+    firsts = {a.keys[b.pick(s)[0]] for s in range(30)}
+    assert firsts == {"heat", "pick"}  # one row a step: the seeded order gives each stratum its turn
+
+
+def test_successes_survive_a_checkpoint():
+    import json as _json
+
+    a = Anchor([], 1.0, per_step=4, seed=5, pad_id=0, keys=[], capacity=2)
+    a.observe([("", (k, ("go east", "go east")), [_row(k, [1, 2, 3]), _row(k, [1, 2, 3, 4])]) for k in range(3)])
+    state = _json.loads(_json.dumps(a.state_dict()))  # through state.json
+    b = Anchor([], 1.0, per_step=4, seed=5, pad_id=0, keys=[], capacity=2)
+    b.load_state_dict(state)
+    assert [r.token_ids for r in b.rows] == [r.token_ids for r in a.rows] and b.keys == a.keys
+    assert [r.action_mask for r in b.rows] == [r.action_mask for r in a.rows]
+    assert all(b.pick(s) == a.pick(s) for s in range(10))
+    assert b.observe([("", (2, ("go east", "go east")), [_row(2, [1, 2, 3])])]) == 0  # identities restored: a kept win is not added again
+
+
+def test_won_episodes_groups_rows_by_episode():
+    from recursa.anchor import won_episodes
+
+    rows = [_row(7, [1, 2], "go east"), _row(7, [1, 3], "go west"), _row(8, [1, 4], "wait"), _row(9, [1, 5], "go east"), _row(9, [1, 6], "x")]
+    got = won_episodes(rows, [0, 0, 1, 2, 2], [True, False, True], lambda seed: f"arm{seed % 2}")
+    assert [(k, ident, [r.token_ids for r in rs]) for k, ident, rs in got] == [
+        ("arm1", (7, ("go east", "go west")), [[1, 2], [1, 3]]), ("arm1", (9, ("go east", "x")), [[1, 5], [1, 6]])]
+
+
+def test_grpo_self_imitation_keeps_wins_per_arm_and_imitates_them(tmp_path):
+    """GRPO on a toy task the tiny model wins half the time, with two curriculum arms: the first
+    step has nothing to imitate (anchor/nll 0), every later step imitates the earlier wins,
+    at most n per arm, and a resumed run restores them from the checkpoint."""
+    _register_coin()
+    sets = ['model.name="tiny-random"', 'env.name="toy-coin"', "sampling.max_new_tokens=4", "train.steps=3", "train.prompts_per_step=2",
+            "train.group_size=4", "train.micro_batch_size=8", "train.lr=1e-3", "eval.n=0", "curriculum.mode=progress",
+            'curriculum.arms=[{name = "a"}, {name = "b"}]', "anchor.coef=1.0", 'anchor.source="successes"', "anchor.n=3", "anchor.rows=4",
+            "run.checkpoint_every=1", "run.threads=1"]
+    run = train(load_config(None, sets, recipe="grpo"), tmp_path / "run", log=lambda *_: None)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if "anchor/nll" in line]
+    assert len(rows) == 3 and rows[0]["anchor/nll"] == 0.0 and rows[0]["anchor/wins_added"] > 0
+    assert all(r["anchor/nll"] > 0 for r in rows[1:])
+    assert all(r["anchor/rows"] <= 2 * 3 for r in rows)  # 2 arms x 3 wins x 1 row (single-turn)
+    state = json.loads(sorted((run / "checkpoints").glob("step_*"))[-1].joinpath("state.json").read_text())
+    kept = state["anchor"]
+    assert set(kept) <= {"a", "b"} and all(len(v) <= 3 for v in kept.values())
+    assert sum(len(v) for v in kept.values()) == rows[-1]["anchor/rows"]
+
+
+def test_self_imitation_is_refused_where_it_is_not_wired():
+    with pytest.raises(Exception, match="option of the grpo recipe"):
+        load_config(None, ["anchor.coef=1.0", 'anchor.source="successes"'], recipe="rsipo")

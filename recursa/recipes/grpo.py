@@ -59,7 +59,7 @@ from recursa.algorithms.losses import entropy_bonus, ppo_clip_loss, truncated_is
 from recursa.algorithms.objectives import (
     apo_loss, apo_values, nft_loss, pg_loss, ratio_stats, rebel_loss, sequence_sums, sequence_surrogate, sequence_weights, spo_loss,
 )
-from recursa.anchor import Anchor, make_anchor
+from recursa.anchor import Anchor, make_anchor, won_episodes
 from recursa.branching import branch_metrics, branched_advantages, sample_branches
 from recursa.config import OUTCOME_OBJECTIVES, GRPOConfig
 from recursa.curriculum import Curriculum, check_curriculum
@@ -68,6 +68,7 @@ from recursa.distributed.ddp import SINGLE, DataParallel, SingleProcess
 from recursa.distributed.rollouts import make_rollouts
 from recursa.engines import make_engine
 from recursa.envs import split_seed
+from recursa.envs.arms import arm_of
 from recursa.errors import UserError
 from recursa.generation import GenerationStats, SamplingParams, prefix_lengths, sequence_logprobs, shared_prefix_logprobs
 from recursa.models import Policy
@@ -301,7 +302,7 @@ def update(
             # exactly the full batch's. Zero-variance groups are common late in training.
             work = mb_idx[_live_rows(signal, cfg, imitation, mb_idx)]
             out.rows_run += len(work)
-            if len(work) == 0 and tc.skip_empty_steps and anchor is None:  # a zero gradient: no AdamW step on momentum alone
+            if len(work) == 0 and tc.skip_empty_steps and (anchor is None or anchor.empty()):  # a zero gradient: no AdamW step on momentum alone
                 out.skipped_steps += 1
                 continue
             mine = learner.shard(work, tc.micro_batch_size)  # this rank's run of whole micro-batches (all of them in one process)
@@ -585,6 +586,15 @@ class Played:
         return [self.success[i * G : (i + 1) * G] for i in range(B)]
 
 
+def success_strata(cfg: GRPOConfig):
+    """seed -> the stratum of self-imitation's wins (`anchor.source = "successes"`): the name of
+    the curriculum arm the seed's task comes from, or '' without arms."""
+    if cfg.curriculum.mode == "off" or not cfg.curriculum.arms:
+        return lambda seed: ""
+    names = cfg.curriculum.arm_names()
+    return lambda seed: names[arm_of(seed, len(names))] if arm_of(seed, len(names)) is not None else ""
+
+
 def play_games(rollouts, seeds: list[int], cfg: GRPOConfig, sampling: SamplingParams, gen: torch.Generator, system_prompt: str | None,
                hints: list[str] | None, reward_set: RewardSet | None, step: int, failures: deque) -> Played:
     """A step of a multi-turn game: G episodes of each game seed form a group; the episode's
@@ -687,6 +697,9 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
     anchor, note = make_anchor(cfg, pool, policy.tokenizer)  # demonstrations imitated at every optimizer step; None when anchor.coef = 0
     if anchor is not None:
         log(note)
+        if run.state.get("anchor"):
+            anchor.load_state_dict(run.state["anchor"])  # source = successes: the wins kept at the checkpoint
+    stratum = success_strata(cfg)
     eval_before(run, cfg, progress, log, engine=engine)
 
     if mid_eval_missing(cfg, store, start_step, cfg.train.steps):  # resumed at a checkpoint whose evaluation was cut off
@@ -722,6 +735,9 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
         st = update(policy, optimizer, batch, cfg, gen, opt_step, learner=run.learner, outcomes=outcomes, anchor=anchor)
         check_finite(step + 1, loss=st.loss, grad_norm=st.grad_norm)
         opt_step += st.opt_steps
+        anchor_added = None
+        if anchor is not None and cfg.anchor.source == "successes":  # the step's wins join the self-imitation rows of later steps
+            anchor_added = anchor.observe(won_episodes(trajs[: played.root_rows], played.row_seq[: played.root_rows], played.success, stratum))
         tp = time.perf_counter()
         engine.load_weights(policy)
         t2 = time.perf_counter()
@@ -756,6 +772,9 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
         }
         if anchor is not None:
             metrics["anchor/nll"] = st.anchor_nll  # the demonstrations' NLL per target token, before each optimizer step's update
+            if anchor_added is not None:
+                metrics["anchor/wins_added"] = anchor_added  # distinct won episodes this step added to the self-imitation rows
+                metrics["anchor/rows"] = len(anchor.rows)  # rows kept (all strata)
         if curriculum is not None:  # the arms' pass-rate averages and the tail table learn from this step
             curriculum.observe(tasks, played.wins)
             metrics.update(curriculum.metrics())
@@ -782,7 +801,8 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
         if (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0) or done == cfg.train.steps:
             saved = reward_set.state_dict() if reward_set is not None else {}
             state = {"opt_steps": opt_step, **({"rewards": saved} if saved else {}), **({"episodes": sampled_total} if branching else {}),
-                     **({"curriculum": curriculum.state_dict()} if curriculum is not None else {})}
+                     **({"curriculum": curriculum.state_dict()} if curriculum is not None else {}),
+                     **({"anchor": anchor.state_dict()} if anchor is not None and anchor.wins else {})}
             store.save_checkpoint(done, policy, optimizer, state)
         if mid_eval_due(cfg, done, cfg.train.steps):  # after the checkpoint: a kill during the evaluation loses no training
             mid_eval(policy, cfg, pool, store, done, progress, gate, log, engine=engine)
