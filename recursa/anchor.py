@@ -18,7 +18,7 @@ the gradients are summed onto rank 0 before the step, so it counts once.
 
 `source = "successes"` is self-imitation instead: the rows are the turns of the run's own
 won episodes of earlier steps (no demonstration at all), at most `n` distinct wins kept per
-stratum, newest first out. A stratum is the curriculum arm of the episode's task (one
+stratum, the oldest dropped first. A stratum is the curriculum arm of the episode's task (one
 stratum without a curriculum), and each step draws its rows evenly across the strata, so a
 task type the curriculum stops offering is still imitated from its past wins while the
 rewards go elsewhere. A win repeated move for move on the same task is kept once.
