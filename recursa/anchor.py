@@ -127,6 +127,14 @@ class Anchor:
         return total / max(num_tokens, 1)
 
 
+def check_anchor(cfg) -> None:
+    """Refuse the anchor where it is not wired yet (a data-parallel learner), in one line."""
+    from recursa.distributed import ddp
+
+    if cfg.anchor.coef > 0 and ddp.active():
+        raise UserError("anchor.coef > 0 is not available with a data-parallel learner yet: run it in one process, or set anchor.coef = 0")
+
+
 def make_anchor(cfg, pool, tokenizer) -> tuple[Anchor | None, str]:
     """The anchor `cfg.anchor` asks for (None when coef is 0), and a line for the log."""
     ac = cfg.anchor

@@ -160,7 +160,7 @@ def test_successes_draw_evenly_across_strata_and_keep_distinct_wins():
         assert len(chosen) == 5 and sum(a.keys[i] == "heat" for i in chosen) == 2  # heat gives all it has, pick its 3
     b = Anchor([], 1.0, per_step=1, seed=0, pad_id=0, keys=[], capacity=3)
     b.observe(wins + more)
-    firsts = {a.keys[b.pick(s)[0]] for s in range(30)}
+    firsts = {b.keys[b.pick(s)[0]] for s in range(30)}
     assert firsts == {"heat", "pick"}  # one row a step: the seeded order gives each stratum its turn
 
 

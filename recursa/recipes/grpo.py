@@ -59,17 +59,15 @@ from recursa.algorithms.losses import entropy_bonus, ppo_clip_loss, truncated_is
 from recursa.algorithms.objectives import (
     apo_loss, apo_values, nft_loss, pg_loss, ratio_stats, rebel_loss, sequence_sums, sequence_surrogate, sequence_weights, spo_loss,
 )
-from recursa.anchor import Anchor, make_anchor, won_episodes
+from recursa.anchor import Anchor, check_anchor, make_anchor, won_episodes
 from recursa.branching import branch_metrics, branched_advantages, sample_branches
 from recursa.config import OUTCOME_OBJECTIVES, GRPOConfig
 from recursa.curriculum import Curriculum, check_curriculum
-from recursa.distributed import ddp
 from recursa.distributed.ddp import SINGLE, DataParallel, SingleProcess
 from recursa.distributed.rollouts import make_rollouts
 from recursa.engines import make_engine
 from recursa.envs import split_seed
 from recursa.envs.arms import arm_of
-from recursa.errors import UserError
 from recursa.generation import GenerationStats, SamplingParams, prefix_lengths, sequence_logprobs, shared_prefix_logprobs
 from recursa.models import Policy
 from recursa.recipes.common import Progress, check_finite, eval_before, lr_at, mid_eval, mid_eval_due, mid_eval_missing, open_run, run_eval, step_generator
@@ -592,7 +590,11 @@ def success_strata(cfg: GRPOConfig):
     if cfg.curriculum.mode == "off" or not cfg.curriculum.arms:
         return lambda seed: ""
     names = cfg.curriculum.arm_names()
-    return lambda seed: names[arm_of(seed, len(names))] if arm_of(seed, len(names)) is not None else ""
+
+    def stratum(seed: int) -> str:
+        arm = arm_of(seed, len(names))
+        return names[arm] if arm is not None else ""
+    return stratum
 
 
 def play_games(rollouts, seeds: list[int], cfg: GRPOConfig, sampling: SamplingParams, gen: torch.Generator, system_prompt: str | None,
@@ -675,8 +677,7 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
     single_turn_error = (f"rollout.branch = {cfg.rollout.branch!r} branches multi-turn games, but this task is single-turn (one reply per episode, "
                          "nothing to replay): set rollout.branch = 'off', or train on a game such as env.name = 'household'") if branching else None
     check_curriculum(cfg)  # a bad arm option or tail hint fails before the run directory is touched
-    if cfg.anchor.coef > 0 and ddp.active():
-        raise UserError("anchor.coef > 0 is not available with a data-parallel learner yet: run it in one process, or set anchor.coef = 0")
+    check_anchor(cfg)  # a data-parallel learner refuses the anchor before the run directory is touched
     run = open_run(cfg, out, resume, log, kl_reference=cfg.algo.needs_reference, single_turn_error=single_turn_error)
     pool, store, policy, optimizer, multi_turn = run.pool, run.store, run.policy, run.optimizer, run.multi_turn
     model = policy.causal_lm

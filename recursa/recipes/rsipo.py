@@ -112,13 +112,11 @@ from recursa.algorithms.hinted import all_failed, anneal, hinted_token_advantage
 from recursa.algorithms.losses import part_scales
 from recursa.algorithms.routing import ALL_WIN, critical_weights, divergence_turn, group_routes, route_counts, route_gate
 from recursa.algorithms.trust import TrustEstimator, agreement_trials
-from recursa.anchor import make_anchor
+from recursa.anchor import check_anchor, make_anchor
 from recursa.config import RSIPOConfig
 from recursa.curriculum import Curriculum, check_curriculum
-from recursa.distributed import ddp
 from recursa.engines import make_engine
 from recursa.envs import EnvPool, system_prompt_of
-from recursa.errors import UserError
 from recursa.generation import GenerationStats, SamplingParams, generate, sequence_logprobs, shared_prefix_logprobs
 from recursa.models import Policy
 from recursa.distributed.rollouts import LocalRollouts, RolloutBackend, make_rollouts
@@ -1125,8 +1123,7 @@ def final_evals(policy: Policy, cfg: RSIPOConfig, run, library: SkillLibrary, mu
 def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress | None = None, log: Callable[[str], None] = print) -> Path:
     """Run the recipe into `out` (continuing from its last checkpoint when `resume`)."""
     check_curriculum(cfg)  # a bad arm option or tail hint fails before the run directory is touched
-    if cfg.anchor.coef > 0 and ddp.active():
-        raise UserError("anchor.coef > 0 is not available with a data-parallel learner yet: run it in one process, or set anchor.coef = 0")
+    check_anchor(cfg)  # a data-parallel learner refuses the anchor before the run directory is touched
     run = open_run(cfg, out, resume, log, kl_reference=cfg.algo.kl_coef > 0, detail=f"; teacher {cfg.teacher.source}")
     pool, store, policy, optimizer, multi_turn = run.pool, run.store, run.policy, run.optimizer, run.multi_turn
     system = system_prompt_of(pool.take(1)[0]) or cfg.model.system_prompt or None
