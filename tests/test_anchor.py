@@ -210,3 +210,13 @@ def test_grpo_self_imitation_keeps_wins_per_arm_and_imitates_them(tmp_path):
 def test_self_imitation_is_refused_where_it_is_not_wired():
     with pytest.raises(Exception, match="option of the grpo recipe"):
         load_config(None, ["anchor.coef=1.0", 'anchor.source="successes"'], recipe="rsipo")
+
+
+def test_a_data_parallel_learner_refuses_the_anchor_in_one_line(monkeypatch):
+    from recursa.anchor import check_anchor
+    from recursa.distributed import ddp
+
+    monkeypatch.setattr(ddp, "active", lambda: True)
+    check_anchor(_cfg())  # coef 0: nothing to refuse
+    with pytest.raises(UserError, match="data-parallel learner"):
+        check_anchor(_cfg("anchor.coef=0.1"))
