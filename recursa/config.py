@@ -25,7 +25,7 @@ from recursa.errors import UserError
 SIZE_LIMITS: dict[str, float] = {
     "group_size": 4096, "prompts_per_step": 65_536, "tasks_per_round": 65_536, "steps": 10_000_000, "rounds": 1_000_000,
     "epochs": 10_000, "mini_batches": 65_536, "micro_batch_size": 65_536, "batch_size": 1_000_000, "max_new_tokens": 1_048_576,
-    "n": 10_000_000, "logit_chunk": 1 << 24, "threads": 4096, "workers": 4096, "rerolls": 4096, "hidden_size": 1 << 16,
+    "n": 10_000_000, "logit_chunk": 1 << 24, "threads": 4096, "workers": 4096, "rerolls": 4096, "topk": 4096, "hidden_size": 1 << 16,
     "intermediate_size": 1 << 18, "num_layers": 4096, "num_heads": 4096, "num_kv_heads": 4096, "max_positions": 1 << 22,
     "lr": 1.0, "log_samples": 100_000, "igrpo_drafts": 4096, "prompt_candidates": 1024, "max_test_looks": 100_000, "step_timeout": 86_400.0,
 }
@@ -961,8 +961,17 @@ class TeacherConfig(_Section):
         "skill",
         description="the teacher's extra context: a skill retrieved from the library (RSIPO); the walkthrough (games) / reference answer (single-turn) (OPSD); a successful sibling of the same group (SDPO); none (GRPO: no teacher scoring at all)",
     )
-    lam: float = Field(1.0, ge=0, description="lambda: A_t = A_outcome + lambda * T_g * psi(Delta_t) (mode 'advantage'), or the imitation term's weight (mode 'imitation'); 0 = score and log the teacher only")
-    mode: Literal["advantage", "imitation"] = Field("advantage", description="advantage: the teacher term is added to the token advantage; imitation (SEED-like): loss += lambda * token mean of -T_g sigmoid(Delta_t / imitation_temperature) log pi(a_t)")
+    lam: float = Field(1.0, ge=0, description="lambda: A_t = A_outcome + lambda * T_g * psi(Delta_t) (mode 'advantage'), or the imitation / distribution term's weight (modes 'imitation', 'distribution'); 0 = score and log the teacher only")
+    mode: Literal["advantage", "imitation", "distribution"] = Field(
+        "advantage",
+        description="advantage: the teacher term is added to the token advantage; imitation (SEED-like): loss += lambda * token mean of -T_g sigmoid(Delta_t / "
+        "imitation_temperature) log pi(a_t); distribution (SDPO / OPSD): loss += lambda * token mean of T_g D_t, D_t the divergence (teacher.divergence) "
+        "between the student's next-token distribution and the hinted teacher's, both on the teacher's teacher.topk tokens plus a tail cell",
+    )
+    divergence: Literal["forward", "reverse", "jsd"] = Field(
+        "jsd", description="mode 'distribution': D_t = KL(teacher || student) (forward), KL(student || teacher) (reverse) or their Jensen-Shannon divergence (jsd)"
+    )
+    topk: int = Field(20, ge=1, description="mode 'distribution': the teacher's most likely tokens kept at each action position (the rest of its mass is one tail cell)")
     route: Literal["all", "failed"] = Field("all", description="rows the teacher term applies to: all, or only trajectories that failed (SRPO routing)")
     weighting: Literal["none", "pass_rate"] = Field("none", description="pass_rate: the teacher term of each trajectory x sqrt(p (1 - p)), p = its group's pass rate (SC-SDPO)")
     scale: Literal["std", "mad", "none"] = Field("std", description="psi: Delta divided by this batch scale over the teacher rows' tokens")

@@ -288,7 +288,9 @@ def sequence_logprobs(
     chunk: int = 512,
     with_entropy: bool = False,
     entropy_grad: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    topk: int = 0,
+    at_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None, object]:
     """Log-probabilities of the action tokens under the (temperature-scaled) policy.
 
     input_ids, attention_mask, action_mask: (N, L), right-padded. Returns
@@ -297,6 +299,12 @@ def sequence_logprobs(
     `entropy_grad` attached to the graph, for an entropy bonus in the loss).
     The vocabulary projection and log-softmax run only at the positions that predict an
     action token, `chunk` positions at a time: never an (N, L, V) tensor.
+
+    Full-distribution self-distillation (`distill.distribution_loss`) reads more of each
+    position's distribution, as a third value: with `topk = k` the k most likely tokens,
+    `(ids  # (N, L, k) long, logp  # (N, L, k))` (detached; a teacher's), and with `at_ids  #
+    (N, L, k)` the log-probs of those ids, `(N, L, k)` with the gradient (a student's); 0 off
+    the action positions.
     """
     base, lm_head = causal_lm.get_decoder(), causal_lm.get_output_embeddings()
     hidden = base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state  # (N, L, H)
@@ -304,28 +312,47 @@ def sequence_logprobs(
     rows, cols = targets.nonzero(as_tuple=True)
     h = hidden[:, :-1][rows, cols]  # (K, H)
     next_tokens = input_ids[:, 1:][rows, cols]  # (K,)
-    return _project(lm_head, h, next_tokens, (rows, cols + 1), input_ids.shape, temperature, chunk, with_entropy, entropy_grad)
+    return _project(lm_head, h, next_tokens, (rows, cols + 1), input_ids.shape, temperature, chunk, with_entropy, entropy_grad, topk, at_ids)
 
 
-def _project(lm_head, h, targets, where, shape, temperature, chunk, with_entropy, entropy_grad=False):
+def _project(lm_head, h, targets, where, shape, temperature, chunk, with_entropy, entropy_grad=False, topk=0, at_ids=None):
     """log pi(target | h) for K hidden states `h  # (K, H)`, `chunk` rows of the vocabulary
     projection at a time, scattered into an (N, L) tensor at `where` (and the entropy,
-    detached unless `entropy_grad`)."""
+    detached unless `entropy_grad`; and, with `topk` or `at_ids`, the third value that
+    `sequence_logprobs` describes)."""
+    if topk and at_ids is not None:
+        raise ValueError("ask for the top-k tokens (a teacher) or the log-probs at given ids (a student), not both")
     scale = 1.0 / temperature if temperature > 0 else 1.0
-    pieces, ents = [], []
+    ids_at = None if at_ids is None else at_ids[where]  # (K, k)
+    pieces, ents, top_ids, top_logp = [], [], [], []
     for s in range(0, h.shape[0], chunk):
         logp_all = F.log_softmax(lm_head(h[s : s + chunk]).float() * scale, dim=-1)  # (k, V)
         pieces.append(logp_all.gather(-1, targets[s : s + chunk, None]).squeeze(-1))
         if with_entropy:
             with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
                 ents.append(-(logp_all.exp() * logp_all).sum(-1))
+        if topk:
+            values, indices = logp_all.detach().topk(topk, dim=-1)
+            top_ids.append(indices)
+            top_logp.append(values)
+        elif ids_at is not None:
+            top_logp.append(logp_all.gather(-1, ids_at[s : s + chunk]))
     flat = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.float32, device=h.device)
     logp = torch.zeros(shape, dtype=torch.float32, device=h.device).index_put(where, flat)
     entropy = None
     if with_entropy:
         flat_ent = torch.cat(ents) if ents else torch.zeros(0, dtype=torch.float32, device=h.device)
         entropy = torch.zeros(shape, dtype=torch.float32, device=h.device).index_put(where, flat_ent)
-    return logp, entropy
+    if not topk and ids_at is None:
+        return logp, entropy
+    k = topk or ids_at.shape[-1]
+
+    def spread(pieces: list[torch.Tensor], dtype) -> torch.Tensor:  # (K, k) pieces -> (N, L, k), 0 off the positions
+        flat = torch.cat(pieces) if pieces else torch.zeros((0, k), dtype=dtype, device=h.device)
+        return torch.zeros((*shape, k), dtype=dtype, device=h.device).index_put(where, flat)
+
+    extra = (spread(top_ids, torch.long), spread(top_logp, torch.float32)) if topk else spread(top_logp, torch.float32)
+    return logp, entropy, extra
 
 
 def prefix_lengths(action_mask: torch.Tensor) -> torch.Tensor:
@@ -345,7 +372,9 @@ def shared_prefix_logprobs(
     chunk: int = 512,
     with_entropy: bool = False,
     entropy_grad: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    topk: int = 0,
+    at_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None, object]:
     """`sequence_logprobs`, computing each distinct prompt once.
 
     Rows whose tokens before the first action token are identical (the G samples of a
@@ -391,4 +420,4 @@ def shared_prefix_logprobs(
     rows, cols = s_act.bool().nonzero(as_tuple=True)
     h = pred[rows, cols]  # (K, H)
     targets = s_ids[rows, cols]  # (K,)
-    return _project(lm_head, h, targets, (rows, first[rows] + cols), (n, length), temperature, chunk, with_entropy, entropy_grad)
+    return _project(lm_head, h, targets, (rows, first[rows] + cols), (n, length), temperature, chunk, with_entropy, entropy_grad, topk, at_ids)

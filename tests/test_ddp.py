@@ -47,6 +47,7 @@ SCENARIOS = {
     "kl to the reference, 2 epochs": (["algo.kl_coef=0.1", "train.epochs=2", "train.micro_batch_size=5"], "some-zero", None, True),
     "lora, kl, 2 epochs": (["model.lora.r=4", "model.lora.alpha=8.0", "algo.kl_coef=0.1", "train.epochs=2", "train.micro_batch_size=5"], "some-zero", None, True),
     "token advantages + imitation (rsipo)": (["train.micro_batch_size=5"], "per-token", "imitation", True),
+    "token advantages + distribution term (rsipo)": (["train.micro_batch_size=5"], "per-token", "distillation", True),
     "all advantages zero": ([], "zero", None, True),
     "supervised step": (["train.micro_batch_size=5"], "some-zero", "supervised", True),
     "token-mean, 3 micro-batches per rank": (["train.micro_batch_size=1"], "some-zero", None, False),
@@ -102,15 +103,21 @@ def _run_update(policy, optimizer, batch, cfg, extra, learner=None):
     learner = learner or SINGLE
     if extra == "supervised":
         return asdict(supervised_step(policy, optimizer, batch, cfg, 0, learner=learner))
-    imitation, outcomes = None, None
+    imitation, outcomes, distillation = None, None, None
     if extra == "imitation":
         imitation = Imitation(batch.action_mask * torch.linspace(0.1, 1.0, len(batch))[:, None], 0.5)
+    if extra == "distillation":  # a made-up teacher: the top 3 of a fixed random distribution at every position
+        from recursa.recipes.grpo import Distillation
+
+        logp, ids = torch.log_softmax(torch.randn((*batch.input_ids.shape, 32), generator=torch.Generator().manual_seed(7)), -1).topk(3, dim=-1)
+        distillation = Distillation(ids, logp, batch.action_mask * torch.linspace(0.1, 1.0, len(batch))[:, None], 0.5, "jsd")
     if extra == "outcomes":  # REBEL, NFT, A*-PO: rewards and verdicts of the 3 groups of 3 (the middle group all equal)
         from recursa.recipes.grpo import Outcomes
 
         rewards = torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.5, 1.0]])
         outcomes = Outcomes(rewards, (rewards >= 1).float(), torch.arange(9))
-    return asdict(update(policy, optimizer, batch, cfg, torch.Generator().manual_seed(3), 0, imitation, learner=learner, outcomes=outcomes))
+    return asdict(update(policy, optimizer, batch, cfg, torch.Generator().manual_seed(3), 0, imitation, learner=learner, outcomes=outcomes,
+                         distillation=distillation))
 
 
 def _setup(name):

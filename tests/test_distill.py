@@ -10,6 +10,7 @@ from recursa.algorithms.distill import (
     delta_scale,
     group_normalise,
     group_offsets,
+    distribution_loss,
     imitation_loss,
     pass_rate_weights,
     psi,
@@ -18,7 +19,9 @@ from recursa.algorithms.distill import (
     skill_rewards,
     teacher_shift,
     token_advantages,
+    topk_divergence,
     trajectory_shift,
+    with_tail,
 )
 
 F64 = torch.float64
@@ -216,6 +219,67 @@ def test_imitation_loss_value_and_gradient():
     close(imitation_loss(logp.detach(), weights, mask, num_tokens=8), 5.648188312 / 8)
     with pytest.raises(ValueError, match="weights shape"):
         imitation_loss(logp, weights[:, :2], mask)
+
+
+# ------------------------------------------------------------ full-distribution self-distillation
+
+def test_with_tail_collapses_onto_k_tokens_and_the_rest():
+    out = with_tail(t([[math.log(0.5), math.log(0.2)]]))
+    close(out.exp(), [[0.5, 0.2, 0.3]])
+    # k tokens holding all the mass leave the floored tail, finite
+    full = with_tail(t([[math.log(0.5), math.log(0.5)]]))
+    assert torch.isfinite(full).all() and full[0, 2] < -15
+
+
+def test_topk_divergence_against_hand_computation():
+    # k = 1: student p(i) = 0.5 -> cells (0.5, 0.5); teacher p(i) = 0.8 -> cells (0.8, 0.2)
+    s, te = t([[[math.log(0.5)]]]), t([[[math.log(0.8)]]])
+    forward = 0.8 * math.log(0.8 / 0.5) + 0.2 * math.log(0.2 / 0.5)  # 0.192745
+    reverse = 0.5 * math.log(0.5 / 0.8) + 0.5 * math.log(0.5 / 0.2)  # 0.223144
+    m = (0.65, 0.35)
+    jsd = 0.5 * (0.8 * math.log(0.8 / m[0]) + 0.2 * math.log(0.2 / m[1]) + 0.5 * math.log(0.5 / m[0]) + 0.5 * math.log(0.5 / m[1]))  # 0.050672
+    close(topk_divergence(s, te, "forward"), [[forward]])
+    close(topk_divergence(s, te, "reverse"), [[reverse]])
+    close(topk_divergence(s, te, "jsd"), [[jsd]])
+    close(forward, 0.192745, atol=1e-6)
+    close(reverse, 0.223144, atol=1e-6)
+    close(jsd, 0.050672, atol=1e-6)
+    # equal distributions: 0 for every kind
+    for kind in ("forward", "reverse", "jsd"):
+        close(topk_divergence(te, te, kind), [[0.0]])
+    with pytest.raises(ValueError, match="kind"):
+        topk_divergence(s, te, "tv")
+    with pytest.raises(ValueError, match="one shape"):
+        topk_divergence(s, t([[[0.0, 0.0]]]), "jsd")
+
+
+def test_forward_divergence_gradient_is_softmax_minus_teacher():
+    # a 3-token vocabulary, the teacher's top 2 ids: the tail is exactly the third token, so
+    # KL(T || S) is the full forward KL and its gradient in the student's logits z is p_S - p_T
+    z = t([0.3, -0.2, 1.1]).requires_grad_(True)
+    p_t = t([0.6, 0.1, 0.3])
+    ids = [0, 2]  # the teacher's top 2
+    logp_s = torch.log_softmax(z, -1)
+    loss = topk_divergence(logp_s[ids].reshape(1, 1, 2), p_t[ids].log().reshape(1, 1, 2), "forward")
+    close(loss, [[float((p_t * (p_t.log() - logp_s.detach())).sum())]])
+    loss.sum().backward()
+    close(z.grad, torch.softmax(z.detach(), -1) - p_t)
+
+
+def test_distribution_loss_is_the_weighted_token_mean():
+    s = t([[[math.log(0.5)], [math.log(0.9)], [0.0]]]).requires_grad_(True)  # (1, 3, 1); position 2 is padding (p = 1)
+    te = t([[[math.log(0.8)], [math.log(0.9)], [0.0]]])
+    mask, w = t([[1, 1, 0]]), t([[0.5, 1.0, 7.0]])
+    fwd = 0.8 * math.log(0.8 / 0.5) + 0.2 * math.log(0.2 / 0.5)
+    loss = distribution_loss(s, te, w, mask, "forward")
+    close(loss, (0.5 * fwd + 1.0 * 0.0) / 2)
+    loss.backward()
+    assert torch.isfinite(s.grad).all() and s.grad[0, 2, 0] == 0  # the padded position: no NaN, no gradient
+    # d/d log p_S(i) of KL(T || S) with cells (p, 1 - p): -T(i) + T(tail) p / (1 - p) = -0.8 + 0.2 = -0.6; x w / tokens
+    close(s.grad[0, 0, 0], 0.5 * -0.6 / 2)
+    close(distribution_loss(s.detach(), te, w, mask, "forward", num_tokens=4), (0.5 * fwd) / 4)
+    with pytest.raises(ValueError, match="student shape"):
+        distribution_loss(s, te, w[:, :2], mask[:, :2])
 
 
 # ------------------------------------------------------------ pass-rate weights

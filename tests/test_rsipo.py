@@ -399,9 +399,12 @@ def test_example_configs_run_one_step(tmp_path, path):
     (row,) = _train_rows(run)
     name = path.stem
     assert ("teacher/rows_frac" in row) == (name not in ("grpo", "rerolls"))
-    assert ("skills/written" in row) == (name not in ("grpo", "opsd", "opsd_centered", "sdpo", "rerolls"))
-    if name in ("opsd", "opsd_centered"):
+    assert ("skills/written" in row) == (name not in ("grpo", "opsd", "opsd_centered", "opsd_distribution", "sdpo", "rerolls"))
+    if name in ("opsd", "opsd_centered", "opsd_distribution"):
         assert row["teacher/rows_frac"] == 1.0  # every household game has a walkthrough
+    assert ("loss/distill" in row) == (name == "opsd_distribution")
+    if name == "opsd_distribution":
+        assert row["loss/distill"] > 0 and row["teacher/distill_weight_mean"] == 1.0 and 0 < row["teacher/distill_topk_mass"] <= 1
     if name == "seed":
         assert "teacher/imitation_weight_mean" in row
     if name == "no_replay":
@@ -413,12 +416,13 @@ def test_example_configs_run_one_step(tmp_path, path):
 
 def test_ablation_configs_cover_the_spec():
     names = {p.stem for p in ABLATIONS}
-    assert names == {"grpo", "opsd", "opsd_centered", "sdpo", "opid", "seed", "srpo", "scsdpo", "no_replay",
+    assert names == {"grpo", "opsd", "opsd_centered", "opsd_distribution", "sdpo", "opid", "seed", "srpo", "scsdpo", "no_replay",
                      "hatch", "hatch_oracle", "drift", "opid_critical", "contrastive", "curated", "signals", "signals_wins", "rerolls"}
     switches = {
         "grpo": lambda c: c.teacher.source == "none" and c.teacher.lam == 0 and not c.skills.enabled,
         "opsd": lambda c: c.teacher.source == "reference" and c.teacher.center == "none",
         "opsd_centered": lambda c: c.teacher.source == "reference" and c.teacher.center == "group",
+        "opsd_distribution": lambda c: c.teacher.source == "reference" and c.teacher.mode == "distribution" and c.trust.mode == "fixed",
         "sdpo": lambda c: c.teacher.source == "sibling",
         "opid": lambda c: c.trust.mode == "fixed" and c.trust.fixed == 1.0,
         "seed": lambda c: c.teacher.mode == "imitation",
@@ -537,13 +541,13 @@ def _toy_batch(policy, seed=0):
     return collate(trajs, torch.linspace(-1.0, 1.0, len(trajs)), tok.pad_token_id)
 
 
-def _grads(policy, batch, cfg, imitation=None):
+def _grads(policy, batch, cfg, imitation=None, **kw):
     model = policy.causal_lm
     saved = copy.deepcopy(model.state_dict())
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     got = {}
     opt.register_step_pre_hook(lambda *a, **k: got.update({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
-    grpo.update(policy, opt, batch, cfg, torch.Generator().manual_seed(0), 0, imitation)
+    grpo.update(policy, opt, batch, cfg, torch.Generator().manual_seed(0), 0, imitation, **kw)
     model.load_state_dict(saved)
     return got
 
@@ -577,6 +581,58 @@ def test_imitation_term_gradient_by_hand():
     assert got.keys() == want.keys() and got
     for k in got:
         assert torch.allclose(got[k], want[k], atol=1e-6, rtol=1e-4), k
+
+
+def _teacher_topk(batch, k, seed):
+    """A made-up teacher: the top-k of a random next-token distribution at every action
+    position, (ids, log-probs) of shape (N, L, k), 0 elsewhere; some rows without a term."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn((*batch.input_ids.shape, 64), generator=gen) * 2
+    logp, ids = torch.log_softmax(logits, -1).topk(k, dim=-1)
+    on = batch.action_mask.bool()[..., None]
+    weights = torch.rand(batch.action_mask.shape, generator=gen) * batch.action_mask
+    weights[0] = 0  # a row the term does not reach
+    return torch.where(on, ids, 0), torch.where(on, logp, 0.0), weights
+
+
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("kind", ["forward", "reverse", "jsd"])
+def test_distribution_term_gradient_by_hand(shared, kind):
+    """With zero advantages the update's gradient is coef x the gradient of the token mean of
+    w_t D_t (`distill.distribution_loss`), computed here with autograd on the student's
+    log-probs at the teacher's ids over the whole batch, whatever the micro-batches."""
+    from recursa.algorithms.distill import distribution_loss
+
+    policy = load_policy(load_config(None, ["model.name=tiny-random"]).model)
+    batch = _toy_batch(policy, seed=3)
+    batch.advantages = torch.zeros_like(batch.advantages)
+    ids, teacher, weights = _teacher_topk(batch, 4, seed=5)
+    cfg = load_config(None, ["model.name=tiny-random", "train.max_grad_norm=1e9", "train.micro_batch_size=2", f"train.shared_prefix={str(shared).lower()}"])
+    got = _grads(policy, batch, cfg, distillation=grpo.Distillation(ids, teacher, weights, 0.5, kind))
+    model = policy.causal_lm
+    model.zero_grad()
+    _, _, student = sequence_logprobs(model, batch.input_ids, batch.attention_mask, batch.action_mask, at_ids=ids)
+    (0.5 * distribution_loss(student, teacher, weights, batch.action_mask, kind)).backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert got.keys() == want.keys() and got
+    for k in got:
+        assert torch.allclose(got[k], want[k], atol=1e-6, rtol=1e-4), k
+    model.zero_grad()
+
+
+def test_distribution_term_learns_its_teacher():
+    """Only the distribution term (zero advantages), the same batch five times: the student's
+    divergence from the teacher's top-k distribution falls at every update."""
+    policy = load_policy(load_config(None, ["model.name=tiny-random"]).model)
+    batch = _toy_batch(policy, seed=4)
+    batch.advantages = torch.zeros_like(batch.advantages)
+    ids, teacher, weights = _teacher_topk(batch, 4, seed=6)
+    cfg = load_config(None, ["model.name=tiny-random", "train.micro_batch_size=3", "train.lr=1e-2", "train.warmup_steps=0"])
+    opt = torch.optim.AdamW(policy.causal_lm.parameters())  # the update sets the learning rate
+    term = grpo.Distillation(ids, teacher, (weights > 0).float() * batch.action_mask, 1.0, "forward")
+    seen = [grpo.update(policy, opt, batch, cfg, torch.Generator().manual_seed(0), i, distillation=term).distill for i in range(5)]
+    assert all(b < a for a, b in zip(seen, seen[1:])), seen
+    assert seen[-1] < 0.7 * seen[0], seen
 
 
 def test_update_trains_every_row_when_mini_batches_do_not_divide_the_rows():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from recursa.generation import SamplingParams, generate, sequence_logprobs, shared_prefix_logprobs
@@ -40,3 +41,33 @@ def test_shared_prefix_equals_naive(tiny_policy):
     for k in naive_g:
         assert (shared_g[k] - naive_g[k]).norm() <= 1e-4 * naive_g[k].norm() + 1e-7, k
     model.zero_grad(set_to_none=True)
+
+
+def test_topk_and_at_ids_agree_on_both_paths(tiny_policy):
+    """The teacher's top-k (ids, log-probs) and the student's log-probs at given ids: the same
+    from the naive and the shared-prompt forward; the top-1 id's log-prob is at least the
+    sampled token's; log-probs at the top-k ids are the top-k log-probs; gradients flow."""
+    model = tiny_policy.causal_lm
+    batch = _batch(tiny_policy)
+    act = batch.action_mask.bool()
+    outs = {}
+    for fn in (sequence_logprobs, shared_prefix_logprobs):
+        with torch.no_grad():
+            logp, _, (ids, top) = fn(model, batch.input_ids, batch.attention_mask, batch.action_mask, 0.9, 4, topk=5)
+        assert ids.shape == top.shape == (*batch.input_ids.shape, 5) and ids.dtype == torch.long
+        assert (top[~act] == 0).all() and (ids[~act] == 0).all()
+        assert (top[act][:, 0] >= logp[act] - 1e-6).all()  # the most likely token is at least as likely as the sampled one
+        assert (top[act][:, :-1] >= top[act][:, 1:]).all()  # sorted, most likely first
+        model.zero_grad(set_to_none=True)
+        logp2, _, at = fn(model, batch.input_ids, batch.attention_mask, batch.action_mask, 0.9, 4, at_ids=ids)
+        torch.testing.assert_close(at.detach()[act], top[act], atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(logp2.detach(), logp, atol=2e-5, rtol=1e-5)
+        (at * batch.action_mask[..., None]).sum().backward()
+        assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+        outs[fn.__name__] = (ids, top)
+    (a_ids, a_top), (b_ids, b_top) = outs.values()
+    torch.testing.assert_close(b_top, a_top, atol=2e-5, rtol=1e-5)
+    assert (a_ids[act] == b_ids[act]).float().mean() > 0.99  # near-ties may swap order within rounding
+    model.zero_grad(set_to_none=True)
+    with pytest.raises(ValueError, match="not both"):
+        sequence_logprobs(model, batch.input_ids, batch.attention_mask, batch.action_mask, topk=2, at_ids=a_ids[..., :2])

@@ -54,8 +54,31 @@ i.e. a skill is rewarded for raising the likelihood of successful behaviour and
 lowering that of failed behaviour.  Candidates are then penalised (over-length, invalid)
 and normalised within their group of K candidates like GRPO rewards.
 
-All inputs except the log-probs of ``imitation_loss`` are treated as constants
-(detached).
+Full-distribution self-distillation (SDPO, Hubotter et al. 2026, arXiv:2601.20802; OPSD):
+instead of the shift of the sampled token alone, the student's next-token distribution at
+each action position is pulled toward the teacher's (the same policy with the hint in its
+context, at the rollout's weights: a constant target).  Only the teacher's k most likely
+tokens are stored; both distributions are collapsed onto those k tokens plus one tail cell
+holding the rest of the mass,
+
+    P = (p(i_1), ..., p(i_k), 1 - sum_j p(i_j))
+
+which is an exact distribution over k + 1 outcomes, so every divergence below is a true
+divergence of the collapsed distributions (a lower bound of the full-vocabulary one).  The
+per-token divergences D_t:
+
+    "forward"  KL(P_T || P_S) = sum_c P_T(c) (log P_T(c) - log P_S(c))  (mass-covering)
+    "reverse"  KL(P_S || P_T)                                            (mode-seeking)
+    "jsd"      (KL(P_T || M) + KL(P_S || M)) / 2, M = (P_T + P_S) / 2
+
+and the loss is the masked token mean of w_t D_t (``distribution_loss``), w_t the trust
+(and route) weight of the token's row.  Departure from SDPO, which takes the student's
+top-k at update time and so needs the teacher's full logits there: the teacher's top-k is
+taken once, when the teacher scores the rollout, and the update needs only the student's
+log-probs at those k ids.
+
+All inputs except the log-probs of ``imitation_loss`` and the student's log-probs of
+``topk_divergence`` / ``distribution_loss`` are treated as constants (detached).
 """
 
 from __future__ import annotations
@@ -78,6 +101,10 @@ __all__ = [
     "token_advantages",
     "seed_imitation_weights",
     "imitation_loss",
+    "DIVERGENCES",
+    "with_tail",
+    "topk_divergence",
+    "distribution_loss",
     "pass_rate_weights",
     "skill_replay_reward",
     "skill_rewards",
@@ -86,6 +113,7 @@ __all__ = [
 ]
 
 SCALES: tuple[str, ...] = ("std", "mad", "none")
+DIVERGENCES: tuple[str, ...] = ("forward", "reverse", "jsd")
 MAD_TO_STD = 1.4826  # 1 / Phi^-1(3/4): MAD * this estimates the std of a normal sample
 
 Count = Union[int, float, torch.Tensor]
@@ -334,6 +362,67 @@ def imitation_loss(
             f"weights shape {tuple(weights.shape)} must equal logp shape {tuple(logp.shape)}"
         )
     return aggregate(-weights.detach() * logp, keep, "token-mean", num_tokens=num_tokens)
+
+
+def with_tail(logp_k: torch.Tensor) -> torch.Tensor:
+    """Log-probs of k tokens -> the log-probs of k + 1 cells: the k tokens and the tail, the
+    rest of the distribution's mass, log(1 - sum_j p_j).  (..., k) -> (..., k + 1)
+
+    The tail is floored at log(1 - exp(-1e-7)) (about -16.1): k tokens that hold all the mass
+    up to rounding still leave a finite tail (and a finite gradient)."""
+    covered = torch.logsumexp(logp_k, dim=-1, keepdim=True).clamp(max=-1e-7)  # log sum_j p_j < 0
+    return torch.cat([logp_k, torch.log(-torch.expm1(covered))], dim=-1)
+
+
+def _kl_cells(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """KL(p || q) over the last axis of cell log-probs."""
+    return (log_p.exp() * (log_p - log_q)).sum(dim=-1)
+
+
+def topk_divergence(student: torch.Tensor, teacher: torch.Tensor, kind: str = "jsd") -> torch.Tensor:
+    """Per-position divergence between student and teacher collapsed onto the teacher's top-k
+    tokens plus a tail cell (see the module docstring).  (N, L, k), (N, L, k) -> (N, L)
+
+    student  # (N, L, k) log pi_student(i_j) at the teacher's top-k ids (grad flows)
+    teacher  # (N, L, k) log pi_teacher(i_j), the teacher's k largest (detached)
+    kind: "forward" KL(T || S), "reverse" KL(S || T), "jsd" the Jensen-Shannon divergence.
+    Positions off the action tokens may hold anything finite (the loss masks them)."""
+    if kind not in DIVERGENCES:
+        raise ValueError(f"kind must be one of {DIVERGENCES}, got {kind!r}")
+    if not isinstance(student, torch.Tensor) or student.dim() != 3 or not isinstance(teacher, torch.Tensor) or teacher.shape != student.shape:
+        raise ValueError(f"student and teacher must be tensors of one shape (N, L, k), got {_shape(student)} and {_shape(teacher)}")
+    s, t = with_tail(student), with_tail(teacher.detach())
+    if kind == "forward":
+        return _kl_cells(t, s)
+    if kind == "reverse":
+        return _kl_cells(s, t)
+    m = torch.logaddexp(s, t) - math.log(2.0)  # log of the mixture (P_S + P_T) / 2
+    return 0.5 * (_kl_cells(t, m) + _kl_cells(s, m))
+
+
+def distribution_loss(
+    student: torch.Tensor,
+    teacher: torch.Tensor,
+    weights: torch.Tensor,
+    mask: torch.Tensor,
+    kind: str = "jsd",
+    num_tokens: Optional[Count] = None,
+) -> torch.Tensor:
+    """Masked token mean of w_t * D_t, D_t = ``topk_divergence``.  -> ()
+
+    student, teacher  # (N, L, k) as in ``topk_divergence``
+    weights           # (N, L) the weight of each token's term (detached), e.g. the row's trust
+    mask              # (N, L) 1 at action tokens
+    num_tokens: the masked-token count of the whole batch (micro-batches add up to the
+    full-batch loss, as in ``imitation_loss``); default: this call's count."""
+    keep = _check_tokens("weights", weights, mask)
+    if student.dim() != 3 or student.shape[:2] != weights.shape:
+        raise ValueError(f"student shape {_shape(student)} must be (N, L, k) with (N, L) = {tuple(weights.shape)}")
+    # off the action tokens the cells may be anything (0-filled padding): make them a uniform,
+    # finite distribution there, so no NaN reaches the gradient through the masked positions
+    uniform = -math.log(student.shape[-1] + 1)
+    div = topk_divergence(torch.where(keep[..., None], student, uniform), torch.where(keep[..., None], teacher, uniform), kind)
+    return aggregate(weights.detach() * div, keep, "token-mean", num_tokens=num_tokens)
 
 
 def pass_rate_weights(success: torch.Tensor) -> torch.Tensor:

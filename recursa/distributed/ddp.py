@@ -12,8 +12,8 @@ checkpoints; it alone touches the run directory. Every other rank is a *worker* 
 that holds a copy of the model and joins each update:
 
     driver  announce    -> the batch, the step's generator state, the optimizer step count
-                           (and RSIPO's imitation weights, the outcomes REBEL, NFT and
-                           A*-PO read): every rank now holds the same
+                           (and RSIPO's imitation weights or distillation targets, the
+                           outcomes REBEL, NFT and A*-PO read): every rank now holds the same
                            inputs, so every rank draws the same shuffles and picks the same rows
     all     share       <- rank 0's current weights (all of them, and the KL reference, the
                            first time; the trainable ones after that), so a gate rollback, a
@@ -296,7 +296,8 @@ def serve(learner: DataParallel, log: Callable[[str], None] = print) -> None:
             imitation = payload["imitation"]
             if imitation is not None:
                 imitation = Imitation(imitation.weights.to(policy.device), imitation.coef)
-            update(policy, optimizer, batch, cfg, generator, payload["opt_step"], imitation, learner=learner, outcomes=payload.get("outcomes"))
+            update(policy, optimizer, batch, cfg, generator, payload["opt_step"], imitation, learner=learner, outcomes=payload.get("outcomes"),
+                   distillation=payload.get("distillation"))
         elif kind == "supervised":
             supervised_step(policy, optimizer, batch, cfg, payload["opt_step"], learner=learner)
         else:
@@ -353,8 +354,8 @@ def _bucketed(tensors: list[torch.Tensor], collective: Callable[[torch.Tensor], 
 
 
 def _to_host(value):
-    """Tensors (and a TrainBatch's or an Imitation's tensors) moved to the CPU for pickling."""
-    from recursa.recipes.grpo import Imitation
+    """Tensors (and a TrainBatch's, an Imitation's or a Distillation's tensors) moved to the CPU for pickling."""
+    from recursa.recipes.grpo import Distillation, Imitation
     from recursa.trajectory import TrainBatch
 
     if isinstance(value, torch.Tensor):
@@ -363,4 +364,6 @@ def _to_host(value):
         return value.to("cpu")
     if isinstance(value, Imitation):
         return Imitation(value.weights.detach().cpu(), value.coef)
+    if isinstance(value, Distillation):
+        return value.to("cpu")
     return value

@@ -53,7 +53,7 @@ from typing import Callable
 import torch
 
 from recursa.algorithms.advantages import compute_advantages
-from recursa.algorithms.distill import imitation_loss
+from recursa.algorithms.distill import distribution_loss, imitation_loss
 from recursa.algorithms.gigpo import step_advantages
 from recursa.algorithms.losses import entropy_bonus, ppo_clip_loss, truncated_is_weights
 from recursa.algorithms.objectives import (
@@ -100,6 +100,7 @@ class UpdateStats:
     tis_weight_mean: float = float("nan")  # mean truncated importance weight (rollout.tis_cap), over the tokens it weighted
     tis_clip_frac: float = 0.0  # share of those tokens whose weight was truncated at the cap
     anchor_nll: float = 0.0  # mean NLL per target token of the demonstration anchor's rows (anchor.coef > 0), averaged over optimizer steps
+    distill: float = 0.0  # the distribution term's value before its coef, token mean of w_t D_t (RSIPO teacher.mode "distribution"), averaged over optimizer steps
 
 
 @dataclass
@@ -109,6 +110,23 @@ class Imitation:
 
     weights: torch.Tensor  # (N, L) aligned with the batch, 0 off the action tokens
     coef: float
+
+
+@dataclass
+class Distillation:
+    """An extra loss term, coef x the token mean of w_t D_t over the mini-batch's action tokens,
+    D_t the divergence between the student's next-token distribution and the teacher's, both
+    collapsed onto the teacher's top-k tokens plus a tail (`distill.distribution_loss`):
+    RSIPO's full-distribution self-teacher (`teacher.mode = "distribution"`)."""
+
+    ids: torch.Tensor  # (N, L, k) long: the teacher's k most likely tokens at each action position (0 elsewhere)
+    teacher: torch.Tensor  # (N, L, k) their log-probs under the teacher
+    weights: torch.Tensor  # (N, L) w_t, 0 where a token has no term
+    coef: float
+    kind: str  # "forward", "reverse" or "jsd" (`distill.DIVERGENCES`)
+
+    def to(self, device: torch.device | str) -> "Distillation":
+        return Distillation(self.ids.to(device), self.teacher.to(device), self.weights.to(device), self.coef, self.kind)
 
 
 @dataclass
@@ -212,11 +230,13 @@ def update(
     learner: DataParallel | SingleProcess = SINGLE,
     outcomes: Outcomes | None = None,
     anchor: Anchor | None = None,
+    distillation: Distillation | None = None,
 ) -> UpdateStats:
     """epochs x mini-batches of the objective's loss on one rollout batch; returns averaged stats.
 
     `batch.advantages` is (N,) per row or (N, L) per token; `imitation` adds its term to
-    the loss (RSIPO). Without either generalisation this is the GRPO update. With a
+    the loss (RSIPO), as does `distillation` (RSIPO's full-distribution teacher). Without these
+    generalisations this is the GRPO update. With a
     `DataParallel` learner every rank runs its slice of each mini-batch's rows and rank 0
     steps (`recursa.distributed.ddp`); the stats are the whole batch's, on rank 0.
 
@@ -236,7 +256,8 @@ def update(
     sequence_objective = ac.objective in SEQUENCE_LOSSES
     if ac.objective in OUTCOME_OBJECTIVES and outcomes is None:
         raise ValueError(f"algo.objective = {ac.objective!r} reads the rollout's outcomes: pass outcomes=Outcomes(...)")
-    learner.announce("update", batch=batch, generator=generator.get_state(), opt_step=opt_step, imitation=imitation, outcomes=outcomes)
+    learner.announce("update", batch=batch, generator=generator.get_state(), opt_step=opt_step, imitation=imitation, outcomes=outcomes,
+                     distillation=distillation)
     learner.share_weights(policy)  # workers start from rank 0's weights (a rollback or resume included)
     model = policy.causal_lm
     temperature = cfg.sampling.temperature
@@ -255,6 +276,11 @@ def update(
             logp_ref_all = _score(logprobs, ref, batch, temperature, tc.micro_batch_size, tc.logit_chunk, learner)
     if outcomes is not None:
         outcomes = outcomes.to(batch.device)
+    if distillation is not None and distillation.coef == 0:
+        distillation = None
+    if distillation is not None:
+        distillation = distillation.to(batch.device)
+    extra = dict(imitation=imitation, distillation=distillation)  # the extra terms, which also make a row live
     # what marks a row as live (a zero row adds nothing to the gradient): its advantage, NFT's
     # group weight, or a sequence objective's dL/dS (set before every optimizer step below)
     signal = batch.advantages
@@ -269,7 +295,7 @@ def update(
     # row's first forward does (before any optimizer step), or one scoring pass when the update
     # runs no row at all (every advantage zero)
     trainer_logp_all = logp_old_all if tc.old_logprobs == "recompute" else None
-    if trainer_logp_all is None and not sequence_objective and not _live_rows(signal, cfg, imitation).any():
+    if trainer_logp_all is None and not sequence_objective and not _live_rows(signal, cfg, **extra).any():
         trainer_logp_all = _score(logprobs, model, batch, temperature, tc.micro_batch_size, tc.logit_chunk)
     gap = _EngineGap(batch.device, cfg.rollout.tis_cap)
     if trainer_logp_all is not None:
@@ -298,7 +324,7 @@ def update(
             # surrogate is 0 whatever the ratio), so without a KL term they are not run at
             # all; they still count in the aggregation's denominators, so the gradient is
             # exactly the full batch's. Zero-variance groups are common late in training.
-            work = mb_idx[_live_rows(signal, cfg, imitation, mb_idx)]
+            work = mb_idx[_live_rows(signal, cfg, idx=mb_idx, **extra)]
             out.rows_run += len(work)
             if len(work) == 0 and tc.skip_empty_steps and (anchor is None or anchor.empty()):  # a zero gradient: no AdamW step on momentum alone
                 out.skipped_steps += 1
@@ -307,9 +333,10 @@ def update(
             for lo in range(0, len(mine), tc.micro_batch_size):
                 idx = mine[lo : lo + tc.micro_batch_size]
                 mb = batch.select(idx)
-                logp, ent = logprobs(model, mb.input_ids, mb.attention_mask, mb.action_mask, temperature, tc.logit_chunk, with_entropy=True,
-                                     entropy_grad=ac.entropy_coef > 0)
-                L = logp.shape[1]
+                L = mb.input_ids.shape[1]
+                at_ids = None if distillation is None else distillation.ids[idx, :L]  # the student's log-probs at the teacher's top-k ids
+                logp, ent, *student_k = logprobs(model, mb.input_ids, mb.attention_mask, mb.action_mask, temperature, tc.logit_chunk, with_entropy=True,
+                                                 entropy_grad=ac.entropy_coef > 0, at_ids=at_ids)
                 logp_old = logp.detach() if logp_old_all is None else logp_old_all[idx, :L]
                 # the trainer's log-probs at the rollout's weights: the old policy when recomputed,
                 # else this forward's as long as no optimizer step has been taken yet
@@ -334,6 +361,11 @@ def update(
                 if imitation is not None and imitation.coef > 0:
                     weights = imitation.weights[idx, :L]
                     loss = loss + imitation.coef * imitation_loss(logp, weights, mb.action_mask, num_tokens=num_tokens)
+                if distillation is not None:
+                    term = distribution_loss(student_k[0], distillation.teacher[idx, :L], distillation.weights[idx, :L], mb.action_mask, distillation.kind,
+                                             num_tokens=num_tokens)
+                    loss = loss + distillation.coef * term
+                    out.distill += term.item()
                 loss.backward()
                 w = float(mb.action_mask.sum().item()) / max(num_tokens, 1)
                 out.loss += loss.item()
@@ -354,10 +386,10 @@ def update(
             opt_step += 1
             out.opt_steps += 1
             n_stats += 1
-    out.loss, out.clip_frac, out.kl, out.approx_kl_old, ent_sum, ent_tokens = learner.sum_stats(
-        [out.loss, out.clip_frac, out.kl, out.approx_kl_old, ent_sum, ent_tokens])
+    out.loss, out.clip_frac, out.kl, out.approx_kl_old, out.distill, ent_sum, ent_tokens = learner.sum_stats(
+        [out.loss, out.clip_frac, out.kl, out.approx_kl_old, out.distill, ent_sum, ent_tokens])
     out.ratio_max = learner.max_stat(out.ratio_max)
-    for name in ("loss", "clip_frac", "kl", "approx_kl_old", "grad_norm", "anchor_nll"):
+    for name in ("loss", "clip_frac", "kl", "approx_kl_old", "grad_norm", "anchor_nll", "distill"):
         setattr(out, name, getattr(out, name) / max(n_stats, 1))
     out.entropy = ent_sum / ent_tokens if ent_tokens else float("nan")  # over the rows run
     gap.report(out)
@@ -416,19 +448,22 @@ def _sequence_weights(policy: Policy, batch: TrainBatch, cfg: GRPOConfig, outcom
     return value, grad[outcomes.row_seq]
 
 
-def _live_rows(signal: torch.Tensor, cfg: GRPOConfig, imitation: Imitation | None, idx: torch.Tensor | None = None) -> torch.Tensor:
+def _live_rows(signal: torch.Tensor, cfg: GRPOConfig, imitation: Imitation | None = None, idx: torch.Tensor | None = None,
+               distillation: Distillation | None = None) -> torch.Tensor:
     """Which rows (of `idx`, default all) `update` runs, a bool (len,): those with a nonzero
-    `signal` (per row (N,) or per token (N, L); the advantages for PPO-clip) or imitation weight.
-    Every row when `train.skip_zero_advantage` is off or a KL term or entropy bonus reads every row."""
+    `signal` (per row (N,) or per token (N, L); the advantages for PPO-clip), imitation weight
+    or distillation weight. Every row when `train.skip_zero_advantage` is off or a KL term or
+    entropy bonus reads every row."""
     n = len(signal) if idx is None else len(idx)
     if not (cfg.train.skip_zero_advantage and cfg.algo.kl_coef == 0 and cfg.algo.entropy_coef == 0):
         return torch.ones(n, dtype=torch.bool, device=signal.device)
     sig = signal if idx is None else signal[idx]
     live = sig != 0
     live = live.any(dim=1) if live.dim() == 2 else live
-    if imitation is not None and imitation.coef > 0:
-        weights = imitation.weights if idx is None else imitation.weights[idx]
-        live = live | (weights != 0).any(dim=1)
+    for term in (imitation, distillation):
+        if term is not None and term.coef > 0:
+            weights = term.weights if idx is None else term.weights[idx]
+            live = live | (weights != 0).any(dim=1)
     return live
 
 

@@ -35,13 +35,15 @@
         trust      <- T_g of each skill group from the agreement trials of earlier steps; this step's trials
                       (sign of mean Delta vs sign of A_outcome) then update the decayed counts; T_g is then
                       gated per route ([route]) and weighted by the critical step (teacher.critical)
-        advantages <- A_t = A_outcome + lam T_g psi(Delta_t)        (or SEED-like imitation weights)
+        advantages <- A_t = A_outcome + lam T_g psi(Delta_t)        (or SEED-like imitation weights, or
+                      the full-distribution term: the hinted teacher's top-k next-token distribution)
         update     <- grpo.update on one batch: PPO-clip on the action tokens, the writing tokens and the
-                      hinted rows, each part averaged over its own tokens; imitation terms (SEED-like, wins)
+                      hinted rows, each part averaged over its own tokens; imitation terms (SEED-like, wins);
+                      the distribution term lam T_g D_t (SDPO / OPSD)
         evaluate, gate, checkpoint (with the trust state and a snapshot of the skill library)
 
 `train` is that loop; each phase is a function below (`play`, `learn_skills`, `hinted_rerolls`,
-`win_rows`, `teach`, `set_advantages`), and the math they call is in recursa/algorithms/ (distill,
+`win_rows`, `teach`, `set_advantages`, `distillation_term`), and the math they call is in recursa/algorithms/ (distill,
 trust, hinted, routing) and recursa/skills/ (writing, retrieval, curator).
 
 Every random draw of step k comes from the generator seeded by (train.seed, k); the library and
@@ -123,7 +125,7 @@ from recursa.distributed.rollouts import LocalRollouts, RolloutBackend, make_rol
 from recursa.recipes.common import Progress, check_finite, eval_before, mid_eval, mid_eval_due, mid_eval_missing, open_run, run_eval, step_generator
 from recursa.recipes.gating import PromptGate, SkillGate, WeightsGate
 from recursa.rewards import RewardSet, score_episodes, score_trajectories
-from recursa.recipes.grpo import Imitation, UpdateStats, episode_rows, train_seeds, update, update_metrics
+from recursa.recipes.grpo import Distillation, Imitation, UpdateStats, episode_rows, train_seeds, update, update_metrics
 from recursa.rollout import render_prompt, rollout, rollout_episodes, with_hint
 from recursa.skills import (
     SkillLibrary,
@@ -226,10 +228,12 @@ def completion_attempts(trajs: list[Trajectory], step: int, hints: list[str | No
 
 
 @torch.no_grad()
-def score_actions(policy: Policy, pairs: list[tuple[list[int], list[int]]], cfg: RSIPOConfig) -> list[torch.Tensor]:
+def score_actions(policy: Policy, pairs: list[tuple[list[int], list[int]]], cfg: RSIPOConfig, topk: int = 0):
     """log pi(a_t | prompt, a_<t) of every (prompt_ids, action_ids) pair under the current
     weights, no gradient: one (len(action_ids),) tensor per pair. Micro-batched, pairs with
-    equal prompts side by side (so the shared-prefix path computes each prompt once)."""
+    equal prompts side by side (so the shared-prefix path computes each prompt once). With
+    `topk = k` also the k most likely tokens at each action position: (scores, tops), tops[i]
+    = (ids, log-probs), each (len(action_ids), k)."""
     model = policy.causal_lm
     was_training = model.training
     model.eval()
@@ -238,6 +242,7 @@ def score_actions(policy: Policy, pairs: list[tuple[list[int], list[int]]], cfg:
     device, host = policy.device, torch.device("cpu")
     order = sorted(range(len(pairs)), key=lambda i: pairs[i][0])
     out: list[torch.Tensor] = [torch.zeros(0, device=device)] * len(pairs)
+    tops: list[tuple[torch.Tensor, torch.Tensor]] = [(torch.zeros((0, topk), dtype=torch.long, device=device), torch.zeros((0, topk), device=device))] * len(pairs)
     for lo in range(0, len(order), cfg.train.micro_batch_size):
         idx = order[lo : lo + cfg.train.micro_batch_size]
         width = max(len(pairs[i][0]) + len(pairs[i][1]) for i in idx)
@@ -250,19 +255,23 @@ def score_actions(policy: Policy, pairs: list[tuple[list[int], list[int]]], cfg:
             attn[j, : len(p) + len(a)] = 1
             act[j, len(p) : len(p) + len(a)] = 1
         ids, attn, act = ids.to(device), attn.to(device), act.to(device)
-        logp, _ = logprobs(model, ids, attn, act, cfg.sampling.temperature, cfg.train.logit_chunk)  # (n, width)
+        logp, _, *top = logprobs(model, ids, attn, act, cfg.sampling.temperature, cfg.train.logit_chunk, topk=topk)  # (n, width) [, ((n, width, k),) * 2]
         for j, i in enumerate(idx):
             p, a = pairs[i]
             out[i] = logp[j, len(p) : len(p) + len(a)].clone()
+            if topk:
+                tops[i] = (top[0][0][j, len(p) : len(p) + len(a)].clone(), top[0][1][j, len(p) : len(p) + len(a)].clone())
     if was_training:
         model.train()
-    return out
+    return (out, tops) if topk else out
 
 
-def teacher_logprobs(policy: Policy, rows: list[Trajectory], contexts: list[Context], hints: list[str | None], cfg: RSIPOConfig, system: str | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def teacher_logprobs(policy: Policy, rows: list[Trajectory], contexts: list[Context], hints: list[str | None], cfg: RSIPOConfig, system: str | None,
+                     topk: int = 0):
     """(teacher, student) log-probs of every row's action tokens, at the current weights, no
     gradient: log pi(a_t | context + hint) and log pi(a_t | context), zeros where the hint is
-    None. The student context is the row's own prompt ids; the teacher's is the same user
+    None; with `topk = k` a third list, the teacher's k most likely tokens at each action
+    position, (ids, log-probs) of shape (actions, k) per row (zeros where the hint is None). The student context is the row's own prompt ids; the teacher's is the same user
     message rendered again with the hint inserted, through the same chat template; the action
     ids are the row's, untouched. A row whose policy saw a skill in context (ctx.hint) has the
     bare message re-rendered as its student context, so Delta is always hint vs no hint (and
@@ -277,12 +286,16 @@ def teacher_logprobs(policy: Policy, rows: list[Trajectory], contexts: list[Cont
         pairs.append((row.token_ids[:first] if ctx.hint is None else render_prompt(tok, user_message(ctx, cfg.agent), system), actions))
         pairs.append((render_prompt(tok, user_message(ctx, cfg.agent, hint), system), actions))
         which.append(i)
-    scores = score_actions(policy, pairs, cfg)
+    scores, tops = score_actions(policy, pairs, cfg, topk) if topk else (score_actions(policy, pairs, cfg), None)
     teacher = [torch.zeros(r.num_action_tokens, device=policy.device) for r in rows]
     student = [torch.zeros(r.num_action_tokens, device=policy.device) for r in rows]
+    top = [(torch.zeros((r.num_action_tokens, topk), dtype=torch.long, device=policy.device), torch.zeros((r.num_action_tokens, topk), device=policy.device))
+           for r in rows] if topk else None
     for k, i in enumerate(which):
         student[i], teacher[i] = scores[2 * k], scores[2 * k + 1]
-    return teacher, student
+        if topk:
+            top[i] = tops[2 * k + 1]
+    return (teacher, student, top) if topk else (teacher, student)
 
 
 # ----------------------------------------------------------------------------- skills
@@ -867,6 +880,8 @@ class TeacherStep:
     trust_rows: torch.Tensor  # (n,) the trust applied to each row (x pass-rate, route and critical-step weights)
     has_hint: torch.Tensor  # (n,) bool: the row's task had a teacher hint
     metrics: dict[str, float] = field(default_factory=dict)
+    top_ids: torch.Tensor | None = None  # (n, L, k) teacher.mode "distribution": the hinted teacher's k most likely tokens per action position
+    top_logp: torch.Tensor | None = None  # (n, L, k) their log-probs under the teacher
 
 
 def critical_row_weights(attempts: list[Attempt], buffer: list[Attempt], cfg: RSIPOConfig) -> tuple[list[float], dict[str, float]]:
@@ -913,9 +928,15 @@ def teach(policy: Policy, played: Played, skills: SkillStep, library: SkillLibra
     attempts, row_attempt = played.attempts, played.row_attempt
     hints, groups = teacher_hints(attempts, cfg, library, pool, multi_turn, G)
     row_hints = [hints[a] for a in row_attempt]
-    teacher, student = teacher_logprobs(policy, played.rows, played.row_context, row_hints, cfg, system)
+    topk = tc.topk if tc.mode == "distribution" else 0
+    teacher, student, *tops = teacher_logprobs(policy, played.rows, played.row_context, row_hints, cfg, system, topk)
     logp_teacher, logp_student = torch.zeros_like(mask), torch.zeros_like(mask)  # (n, L), aligned on the action tokens
     logp_teacher[mask.bool()], logp_student[mask.bool()] = torch.cat(teacher), torch.cat(student)
+    top_ids = top_logp = None
+    if topk:  # (n, L, k), aligned on the action tokens like Delta
+        top_ids = torch.zeros((*mask.shape, topk), dtype=torch.long, device=dev)
+        top_logp = torch.zeros((*mask.shape, topk), device=dev)
+        top_ids[mask.bool()], top_logp[mask.bool()] = torch.cat([i for i, _ in tops[0]]), torch.cat([v for _, v in tops[0]])
     delta = teacher_shift(logp_teacher, logp_student, mask)  # (n, L)
     has_hint = torch.tensor([h is not None for h in row_hints], device=dev)
     for sid in {g for g in groups if isinstance(g, int)}:
@@ -952,7 +973,7 @@ def teach(policy: Policy, played: Played, skills: SkillStep, library: SkillLibra
         if isinstance(g, int):  # the skill's decayed counts, as of its latest trial
             library.record_trust(g, *counts_now[g])
     metrics.update(teacher_summary(delta, mask, has_hint, mean_delta, outcome, attempt_hint, trust_rows, trust, trials))
-    return TeacherStep(delta, trust_rows, has_hint, metrics)
+    return TeacherStep(delta, trust_rows, has_hint, metrics, top_ids, top_logp)
 
 
 # ----------------------------------------------------------------------------- advantages
@@ -1013,6 +1034,36 @@ def set_advantages(batch, played: Played, skills: SkillStep, hinted: HintedStep,
         full[lo:hi] = batch.action_mask[lo:hi] * token_scales[3]
         terms.append((full, cfg.route.win_coef))
     return combine_imitation(terms), shares, metrics
+
+
+def distillation_term(batch, played: Played, taught: TeacherStep, cfg: RSIPOConfig) -> tuple[Distillation | None, dict]:
+    """teacher.mode = "distribution" (SDPO / OPSD): the loss term lam x token mean of w_t D_t
+    over the policy rows' action tokens (`distill.distribution_loss`), with w_t the row's
+    applied trust (pass-rate, route and critical-step weights included) on the rows whose task
+    had a hint, only the failed ones under teacher.route = "failed"; the writing, hinted and win
+    rows get none. Averaged over the policy rows' own tokens, like the imitation term."""
+    tc = cfg.teacher
+    if tc.mode != "distribution" or tc.source == "none" or taught.top_ids is None:
+        return None, {}
+    n, (N, L) = len(played.rows), batch.action_mask.shape
+    mask = batch.action_mask[:n]  # (n, L)
+    w = mask * taught.has_hint[:, None] * taught.trust_rows[:, None]  # (n, L)
+    if tc.route == "failed":
+        row_success = torch.tensor([played.attempts[a].success for a in played.row_attempt], device=batch.device)
+        w = w * (~row_success).float()[:, None]
+    scale = part_scales(batch.action_mask, [n, N - n], "token-mean")[0]
+    k = taught.top_ids.shape[-1]
+    ids = torch.zeros((N, L, k), dtype=torch.long, device=batch.device)
+    logp = torch.zeros((N, L, k), device=batch.device)
+    weights = torch.zeros((N, L), device=batch.device)
+    ids[:n], logp[:n], weights[:n] = taught.top_ids, taught.top_logp, w * scale
+    on = mask.bool() & (w > 0)
+    covered = torch.logsumexp(taught.top_logp[on], dim=-1).exp() if on.any() else torch.zeros(0)
+    metrics = {
+        "teacher/distill_weight_mean": (w.sum() / (mask * taught.has_hint[:, None]).sum().clamp_min(1)).item(),
+        "teacher/distill_topk_mass": covered.mean().item() if covered.numel() else float("nan"),  # the teacher's mass on its top-k
+    }
+    return Distillation(ids, logp, weights, tc.lam, tc.divergence), metrics
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -1208,8 +1259,10 @@ def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress 
 
         # ---- token advantages, then one update on the policy, writing, hinted and win rows
         imitation, shares, extra = set_advantages(batch, played, skills, hinted, wins, taught, cfg)
+        distillation, distill_metrics = distillation_term(batch, played, taught, cfg)
+        extra.update(distill_metrics)
         check_finite(step + 1, **{"advantages (outcome x teacher scale)": batch.advantages})
-        st = update(policy, optimizer, batch, cfg, gen, opt_step, imitation, learner=run.learner, anchor=anchor)
+        st = update(policy, optimizer, batch, cfg, gen, opt_step, imitation, learner=run.learner, anchor=anchor, distillation=distillation)
         check_finite(step + 1, loss=st.loss, grad_norm=st.grad_norm)
         opt_step += st.opt_steps
         episodes += len(played.attempts) + hinted.episodes
@@ -1220,6 +1273,8 @@ def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress 
                    **rollouts.metrics(), **pool.metrics()}
         if anchor is not None:
             metrics["anchor/nll"] = st.anchor_nll  # the demonstrations' NLL per target token, before each optimizer step's update
+        if distillation is not None:
+            metrics["loss/distill"] = st.distill  # the distribution term before lam: token mean of w_t D_t, during the update
         if curriculum is not None:  # the arms' pass-rate averages learn from this step's groups
             curriculum.observe(tasks, played.success.tolist())
             metrics.update(curriculum.metrics())
