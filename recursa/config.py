@@ -25,7 +25,7 @@ from recursa.errors import UserError
 SIZE_LIMITS: dict[str, float] = {
     "group_size": 4096, "prompts_per_step": 65_536, "tasks_per_round": 65_536, "steps": 10_000_000, "rounds": 1_000_000,
     "epochs": 10_000, "mini_batches": 65_536, "micro_batch_size": 65_536, "batch_size": 1_000_000, "max_new_tokens": 1_048_576,
-    "n": 10_000_000, "logit_chunk": 1 << 24, "threads": 4096, "workers": 4096, "rerolls": 4096, "topk": 4096, "hidden_size": 1 << 16,
+    "n": 10_000_000, "logit_chunk": 1 << 24, "threads": 4096, "workers": 4096, "rerolls": 4096, "topk": 4096, "effect_games": 4096, "hidden_size": 1 << 16,
     "intermediate_size": 1 << 18, "num_layers": 4096, "num_heads": 4096, "num_kv_heads": 4096, "max_positions": 1 << 22,
     "lr": 1.0, "log_samples": 100_000, "igrpo_drafts": 4096, "prompt_candidates": 1024, "max_test_looks": 100_000, "step_timeout": 86_400.0,
 }
@@ -1038,6 +1038,13 @@ class SkillsConfig(_Section):
     retrieve_k: int = Field(1, ge=1, description="skills retrieved into a task's teacher context")
     retrieval: Literal["bm25", "embedding"] = Field("bm25", description="retrieval by BM25 over the task text and first observation, or by sentence embeddings")
     replay_reward: bool = Field(True, description="score candidates by replay (r(s)); off: the first valid candidate enters the library and writing is not trained")
+    effect_games: int = Field(
+        0,
+        ge=0,
+        description="> 0: reward each candidate by its effect instead of by replay: it is shown in the prompt of this many related games of the step "
+        "(the step's other games, those whose task reads most like the source's first; one sampled episode each, counted in budget/episodes), "
+        "and its reward is the mean of R - b, b the game's mean reward without it (its group's); 0: the replay reward",
+    )
     coef: float = Field(0.1, ge=0, description="lambda_skill: the writing tokens' advantage is coef x the group-normalised replay reward (0: not trained)")
     replay_size: int = Field(4, gt=0, description="M: earlier trajectories replayed per candidate (other seeds; successes and failures balanced)")
     replay_turns: int = Field(2, gt=0, description="turns of each replayed episode scored (a seeded random subset)")
@@ -1135,6 +1142,12 @@ class RSIPOConfig(RecipeBase):
         for key in ("contrastive", "curate", "eval_both"):
             if getattr(self.skills, key) and not self.skills.enabled:
                 raise ValueError(f"skills.{key} = true needs skills.enabled = true (it acts on written skills): enable skills or set skills.{key} = false")
+        if self.skills.effect_games and not self.skills.replay_reward:
+            raise ValueError("skills.effect_games > 0 rewards each candidate by its effect, but skills.replay_reward = false rewards none "
+                             "(the first valid candidate is admitted): set skills.replay_reward = true, or skills.effect_games = 0")
+        if self.skills.effect_games and self.skills.effect_games >= self.train.prompts_per_step:
+            raise ValueError(f"skills.effect_games = {self.skills.effect_games} related games must be fewer than the step's "
+                             f"train.prompts_per_step = {self.train.prompts_per_step} games (a candidate is tried on the others): lower it")
         if self.hatch.enabled and self.hatch.hint == "skill":
             if not self.skills.enabled:
                 raise ValueError("hatch.hint = 'skill' re-rolls with the library's skill, but skills.enabled = false writes none: enable skills or use hatch.hint = 'reflection'")

@@ -15,6 +15,8 @@ from recursa.algorithms.distill import (
     pass_rate_weights,
     psi,
     seed_imitation_weights,
+    penalised,
+    skill_effect,
     skill_replay_reward,
     skill_rewards,
     teacher_shift,
@@ -299,6 +301,21 @@ def test_pass_rate_weights():
 
 
 # ------------------------------------------------------------ skill rewards
+
+def test_skill_effect_and_penalties_by_hand():
+    # games played with the skill won 1, 0, 1 against mean rewards 0.5, 0.25, 1.0 without it
+    close(skill_effect(t([1.0, 0.0, 1.0]), t([0.5, 0.25, 1.0])), (0.5 - 0.25 + 0.0) / 3)
+    with pytest.raises(ValueError, match="M >= 1"):
+        skill_effect(t([]), t([]))
+    with pytest.raises(ValueError, match="baselines"):
+        skill_effect(t([1.0]), t([0.5, 0.5]))
+    with pytest.raises(ValueError, match="finite"):
+        skill_effect(t([NAN]), t([0.5]))
+    # 12 words over max 10 costs 2 x 0.1; an invalid candidate gets invalid_reward whatever its raw value
+    close(penalised([0.5, 0.3, 9.0], [12, 4, 0], [False, False, True], 10, 0.1, -1.0), [0.3, 0.3, -1.0])
+    with pytest.raises(ValueError, match="one entry per candidate"):
+        penalised([0.5], [1, 2], [False], 10, 0.1)
+
 
 def test_skill_replay_reward_with_clipping():
     # c = 1: clip(D) = [0.5, -1, 1, -0.1], y * clip = [0.5, 1, 1, -0.1], mean 2.4 / 4 = 0.6

@@ -22,9 +22,11 @@ from recursa.recipes import grpo
 from recursa.recipes.rsipo import (
     Attempt,
     Context,
+    EffectGames,
     Writing,
     choose_sources,
     completion_attempts,
+    effect_rewards,
     episode_attempts,
     replay_rewards,
     score_actions,
@@ -296,6 +298,33 @@ def test_replay_reward_by_hand(tiny_policy):
     assert rewards[0][1].item() == -2.0
 
 
+def test_effect_reward_by_hand():
+    """skills.effect_games: each valid candidate is played once on each of the M games most
+    related to its source's game (never that game), shown in the prompt; its reward is the mean
+    of R - b (b: the game's mean reward without it), minus the length penalty; an invalid one
+    gets invalid_reward and is never played."""
+    cfg = _cfg("train.prompts_per_step=4", "train.group_size=2", "skills.candidates=3", "skills.effect_games=2", "skills.max_words=6",
+               "skills.length_penalty=0.5", "skills.invalid_reward=-2")
+    good, plain = "Heat the egg in the microwave first.", "Look around the kitchen now."
+    parsed = [ParsedSkill(good, True, "ok", 7, 0), ParsedSkill(plain, True, "ok", 5, 0), ParsedSkill(None, False, "empty")]
+    writing = Writing([2], [[1]], [Sample(0, [5], [0.0], "eos")] * 3, parsed)  # source attempt 2: group 1, the second game
+    queries = ["cool some apple and put it in fridge", "heat some egg and put it in table", "heat some mug and put it in shelf", "clean some cup and put it in sink"]
+    baselines = torch.tensor([0.5, 0.0, 0.25, 1.0])
+    calls = []
+
+    def play(seeds, hints):  # a game's reward: 1 for the heating advice on a heating game, else 0
+        calls.append(list(zip(seeds, hints)))
+        return [1.0 if ("microwave" in h and seed in (11, 12)) else 0.0 for seed, h in zip(seeds, hints)]
+
+    rewards, tried, episodes = effect_rewards(writing, EffectGames([10, 11, 12, 13], queries, baselines, play), cfg)
+    # the games related to "heat some egg ...": game 2 (heat, the most shared terms) then the others by score; never game 1 itself
+    (jobs,) = calls
+    assert [seed for seed, _ in jobs] == [12, 10, 12, 10] and tried == [2] and episodes == 4
+    assert all(skill_hint([good]) == h for _, h in jobs[:2]) and all(skill_hint([plain]) == h for _, h in jobs[2:])
+    # good: ((1 - 0.25) + (0 - 0.5)) / 2 = 0.125, minus 0.5 x (7 - 6) = -0.375; plain: ((0 - 0.25) + (0 - 0.5)) / 2 = -0.375; invalid: -2
+    assert rewards[0].tolist() == pytest.approx([-0.375, -0.375, -2.0])
+
+
 # ----------------------------------------------------------------------------- the loop end to end
 
 
@@ -411,17 +440,20 @@ def test_example_configs_run_one_step(tmp_path, path):
         assert row["skills/writing_rows"] == 0 and row["skills/replayed_mean"] == 0
     assert ("hatch/groups" in row) == (name in ("hatch", "hatch_oracle", "drift", "signals", "signals_wins", "rerolls"))
     assert ("teacher/critical_matched_frac" in row) == (name in ("opid_critical", "signals", "signals_wins"))
-    assert row["episodes/sampled"] == 2 * 2 + row.get("hatch/episodes", 0)  # B x G, plus the hinted re-rolls
+    # B x G, plus the hinted re-rolls and the episodes that try candidate skills
+    assert row["episodes/sampled"] == cfg.train.prompts_per_step * 2 + row.get("hatch/episodes", 0) + row.get("skills/effect_episodes", 0)
+    assert ("skills/effect_episodes" in row) == (name == "effect")
 
 
 def test_ablation_configs_cover_the_spec():
     names = {p.stem for p in ABLATIONS}
-    assert names == {"grpo", "opsd", "opsd_centered", "opsd_distribution", "sdpo", "opid", "seed", "srpo", "scsdpo", "no_replay",
+    assert names == {"grpo", "opsd", "opsd_centered", "opsd_distribution", "effect", "sdpo", "opid", "seed", "srpo", "scsdpo", "no_replay",
                      "hatch", "hatch_oracle", "drift", "opid_critical", "contrastive", "curated", "signals", "signals_wins", "rerolls"}
     switches = {
         "grpo": lambda c: c.teacher.source == "none" and c.teacher.lam == 0 and not c.skills.enabled,
         "opsd": lambda c: c.teacher.source == "reference" and c.teacher.center == "none",
         "opsd_centered": lambda c: c.teacher.source == "reference" and c.teacher.center == "group",
+        "effect": lambda c: c.skills.effect_games > 0 and c.skills.replay_reward,
         "opsd_distribution": lambda c: c.teacher.source == "reference" and c.teacher.mode == "distribution" and c.trust.mode == "fixed",
         "sdpo": lambda c: c.teacher.source == "sibling",
         "opid": lambda c: c.trust.mode == "fixed" and c.trust.fixed == 1.0,

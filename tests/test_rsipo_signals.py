@@ -135,6 +135,44 @@ def test_hinted_rerolls_train_under_the_unhinted_prompt_by_hand(tiny_policy, mon
     assert r == len(hinted.rows) and nonzero > 0
 
 
+@pytest.mark.parametrize("env", ["toy-digits", "toy-corridor"])
+def test_effect_rewards_in_the_recipe_play_the_related_games_and_count_them(tmp_path, monkeypatch, env):
+    """skills.effect_games: every valid candidate is played on M of the step's other games with
+    the skill in its prompts; the episodes count in episodes/sampled and budget/episodes (they
+    are not trained on); each candidate's logged reward is the mean of R - b over those games."""
+    text = "Write digits only, one digit per item."
+    monkeypatch.setattr(rsipo, "parse_skill", _valid(text))
+    plays, steps = [], []
+    real_play, real_step = rsipo.hinted_episode_rewards, rsipo.play
+    monkeypatch.setattr(rsipo, "hinted_episode_rewards", lambda policy, pool, seeds, hints, *a: plays.append((seeds, hints, r := real_play(policy, pool, seeds, hints, *a)))
+                        or r)
+    monkeypatch.setattr(rsipo, "play", lambda policy, pool, seeds, *a: steps.append((list(seeds), p := real_step(policy, pool, seeds, *a))) or p)
+    B, G, K, M = 3, 2, 2, 2
+    sets = [f"env.name={env}", "train.steps=2", f"train.prompts_per_step={B}", f"train.group_size={G}", f"skills.candidates={K}", "skills.write_per_group=1",
+            f"skills.effect_games={M}", "skills.length_penalty=0"]
+    if env == "toy-corridor":
+        sets += ["env.kwargs={max_steps = 3}"]
+    run = rsipo.train(_cfg(*sets), tmp_path / "effect", log=lambda *_: None)
+    rows, logged = _train_rows(run), _rows(run, "skills")
+    total = 0
+    for step, (row, (seeds, hints, rewards), (games, played_step)) in enumerate(zip(rows, plays, steps), start=1):
+        sources = int(row["skills/sources"])
+        assert len(seeds) == sources * K * M == row["skills/effect_episodes"] and all(h == skill_hint([text]) for h in hints)
+        assert row["episodes/sampled"] == B * G + sources * K * M
+        total += row["episodes/sampled"]
+        assert row["budget/episodes"] == total and row["episodes/rescored"] == 0  # nothing replayed: the effect replaces the replay
+        without = dict(zip(games, played_step.rewards.mean(dim=1).tolist()))  # each game's mean reward this step, without the skill
+        records = [r for r in logged if r["step"] == step]
+        for s in range(sources):
+            mine, played = seeds[s * K * M : (s + 1) * K * M], rewards[s * K * M : (s + 1) * K * M]
+            source_seed = records[s * K]["source_seed"]
+            assert source_seed not in mine and set(mine) <= set(games) and records[s * K]["effect_games"] == M
+            for k in range(K):
+                want = sum(r - without[g] for r, g in zip(played[k * M : (k + 1) * M], mine[k * M : (k + 1) * M])) / M
+                assert records[s * K + k]["reward"] == pytest.approx(want, abs=1e-6)
+    assert len(plays) == 2
+
+
 def test_hatch_in_the_recipe_counts_the_rerolls_and_trains_them(tmp_path, monkeypatch):
     monkeypatch.setattr(rsipo, "parse_skill", _valid("Write digits only, one digit per item."))
     seen = []
@@ -418,6 +456,12 @@ def test_config_checks_of_the_signal_switches():
         _cfg("skills.eval_both=true", "gate.mode=log", "eval.n=4", "gate.max_test_looks=1")
     with pytest.raises(UserError, match="hatch.hint"):
         _cfg("hatch.hint=walkthrough")  # the oracle is labelled as such
+    with pytest.raises(UserError, match="skills.replay_reward = false rewards none"):
+        _cfg("skills.effect_games=1", "skills.replay_reward=false")
+    with pytest.raises(UserError, match="fewer than the step's"):
+        _cfg("skills.effect_games=2", "train.prompts_per_step=2")
+    with pytest.raises(UserError, match="teacher.mode"):
+        _cfg("teacher.mode=kl")
 
 
 def test_help_config_lists_the_new_switches(capsys):
@@ -426,6 +470,6 @@ def test_help_config_lists_the_new_switches(capsys):
     assert main(["train", "--help-config", "--recipe", "rsipo"]) == 0
     out = capsys.readouterr().out
     for key in ("hatch.enabled", "hatch.hint", "hatch.rerolls", "hatch.anneal", "hatch.is_cap", "route.mode", "route.win_coef", "teacher.critical",
-                "skills.contrastive", "skills.curate", "skills.merge_threshold", "skills.eval_both"):
+                "skills.contrastive", "skills.curate", "skills.merge_threshold", "skills.eval_both", "skills.effect_games", "teacher.divergence", "teacher.topk"):
         line = next(line for line in out.splitlines() if line.startswith(key + " "))
         assert len(line.split("#", 1)[1].strip()) > 20, key  # described

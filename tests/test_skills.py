@@ -16,6 +16,7 @@ from recursa.skills import (
     SkillLibrary,
     SkillWritingStats,
     parse_skill,
+    related,
     render_trajectory_for_skill,
     retrieve,
     retrieve_many,
@@ -72,6 +73,19 @@ def test_bm25_scores_by_hand():
     assert index.top_k("open the fridge", 1) == [(0, scores[0])]
     assert index.top_k("the of and", 3) == []
     assert BM25Index().build([]).top_k("open", 3) == []
+
+
+def test_related_ranks_by_bm25_then_fills_in_index_order():
+    docs = ["open the fridge", "open the drawer and the cabinet", "walk north", "go to the fridge"]
+    # "open the fridge": doc 0 shares both terms, docs 1 and 3 one each (ordered by their BM25 scores), doc 2 none
+    scores = BM25Index().build(docs).scores("open the fridge")
+    assert scores[0] > max(scores[1], scores[3]) and scores[2] == 0
+    by_score = sorted([1, 3], key=lambda i: -scores[i])
+    assert related("open the fridge", docs, 4) == [0, *by_score, 2]  # the unrelated doc last, as filler
+    assert related("open the fridge", docs, 2, exclude={0}) == by_score
+    assert related("open the fridge", docs, 3, exclude={0, 1, 3}) == [2]  # fewer left than asked
+    assert related("nothing shared", docs, 2) == [0, 1]  # no shared term: index order
+    assert related("open", [], 3) == [] and related("open", docs, 0) == []
 
 
 def test_bm25_idf_stays_positive_for_common_terms():

@@ -54,6 +54,12 @@ i.e. a skill is rewarded for raising the likelihood of successful behaviour and
 lowering that of failed behaviour.  Candidates are then penalised (over-length, invalid)
 and normalised within their group of K candidates like GRPO rewards.
 
+Skill effect (``skills.effect_games``; the issue's "skills rewarded by what they do"): a
+candidate is instead played, shown in the prompt, on M related games of the same step (the
+games are deterministic, so the same game without it is its group's episodes), and its
+reward is e(s) = mean_m (R_m - b_m), the change in reward it caused (``skill_effect``), with
+the same penalties (``penalised``).
+
 Full-distribution self-distillation (SDPO, Hubotter et al. 2026, arXiv:2601.20802; OPSD):
 instead of the shift of the sampled token alone, the student's next-token distribution at
 each action position is pulled toward the teacher's (the same policy with the hint in its
@@ -107,6 +113,8 @@ __all__ = [
     "distribution_loss",
     "pass_rate_weights",
     "skill_replay_reward",
+    "skill_effect",
+    "penalised",
     "skill_rewards",
     "group_normalise",
     "correlation",
@@ -465,6 +473,33 @@ def skill_replay_reward(
     return (outcomes * delta_means.clamp(-clip, clip)).mean()
 
 
+def skill_effect(rewards: torch.Tensor, baselines: torch.Tensor) -> torch.Tensor:
+    """e(s) = (1/M) sum_m (R_m - b_m): a skill's effect, the mean change in reward it caused
+    when shown in the prompt of M games, R_m the reward of the episode played with it and b_m
+    the game's mean reward without it (its group's, the same step).  (M,), (M,) -> ()"""
+    if not isinstance(rewards, torch.Tensor) or rewards.dim() != 1 or rewards.shape[0] == 0:
+        raise ValueError(f"rewards must be a tensor of shape (M,) with M >= 1 (one per game played with the skill), got {_shape(rewards)}")
+    baselines = _check_rows("baselines", baselines, rewards.shape[0])
+    if not bool(torch.isfinite(rewards).all() and torch.isfinite(baselines).all()):
+        raise ValueError("rewards and baselines must be finite")
+    return (rewards - baselines).mean()
+
+
+def penalised(raw: Sequence[float], lengths: Sequence[int], invalid: Sequence[bool], max_len: int, length_penalty: float,
+              invalid_reward: float = -1.0) -> torch.Tensor:
+    """Candidate rewards with the penalties: raw_k - length_penalty * max(0, lengths[k] -
+    max_len) if valid, invalid_reward if invalid (raw_k is then ignored).  -> (K,)"""
+    k = len(raw)
+    if not (len(lengths) == len(invalid) == k):
+        raise ValueError(f"raw, lengths and invalid need one entry per candidate; got {k}, {len(lengths)}, {len(invalid)}")
+    if not length_penalty >= 0:
+        raise ValueError(f"length_penalty must be >= 0, got {length_penalty}")
+    if not max_len > 0:
+        raise ValueError(f"max_len must be > 0, got {max_len}")
+    out = [float(invalid_reward) if bad else float(r) - length_penalty * max(0, n - max_len) for r, n, bad in zip(raw, lengths, invalid)]
+    return torch.tensor(out, dtype=torch.get_default_dtype(), device="cpu")  # Python floats: a host statistic
+
+
 def skill_rewards(
     delta_means: Sequence[torch.Tensor],
     outcomes: Sequence[torch.Tensor],
@@ -490,19 +525,8 @@ def skill_rewards(
             f"delta_means, outcomes, lengths and invalid need one entry per candidate; got "
             f"{len(delta_means)}, {len(outcomes)}, {k}, {len(invalid)}"
         )
-    if not length_penalty >= 0:
-        raise ValueError(f"length_penalty must be >= 0, got {length_penalty}")
-    if not max_len > 0:
-        raise ValueError(f"max_len must be > 0, got {max_len}")
-    rewards = []
-    for j in range(k):
-        if invalid[j]:
-            rewards.append(float(invalid_reward))
-            continue
-        excess = max(0, lengths[j] - max_len)
-        replay = skill_replay_reward(delta_means[j], outcomes[j], clip).item()
-        rewards.append(replay - length_penalty * excess)
-    return torch.tensor(rewards, dtype=torch.get_default_dtype(), device="cpu")  # Python floats: a host statistic
+    raw = [0.0 if invalid[j] else skill_replay_reward(delta_means[j], outcomes[j], clip).item() for j in range(k)]
+    return penalised(raw, lengths, invalid, max_len, length_penalty, invalid_reward)
 
 
 def group_normalise(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -76,7 +76,9 @@ Where this departs from the spec's letter, and why:
 * Hinted re-rolls (hatch) are trained under the un-hinted prompt the policy would have seen (with
   skills.in_context, the one with its in-context skill; the hatch hint replaces it while sampling).
   They are extra sampled episodes: `episodes/sampled` and `budget/episodes` count them. They do
-  not join the replay buffer (whose attempts are what the policy played unaided).
+  not join the replay buffer (whose attempts are what the policy played unaided). So do the
+  episodes that try candidate skills on related games (skills.effect_games), which are not
+  trained on at all: they only reward the candidates.
 * The critical step (teacher.critical) weights the teacher's trust on each turn of a failed episode;
   single-turn tasks have one turn, so it changes nothing there.
 
@@ -104,8 +106,10 @@ from recursa.algorithms.distill import (
     group_normalise,
     group_offsets,
     pass_rate_weights,
+    penalised,
     psi,
     seed_imitation_weights,
+    skill_effect,
     skill_rewards,
     teacher_shift,
     token_advantages,
@@ -132,6 +136,7 @@ from recursa.skills import (
     SkillWritingStats,
     contrastive_writing_prompt,
     parse_skill,
+    related,
     render_trajectory_for_skill,
     retrieve,
     retrieve_many,
@@ -479,6 +484,58 @@ def replay_rewards(policy: Policy, writing: Writing, attempts: list[Attempt], bu
 
 
 @dataclass
+class EffectGames:
+    """skills.effect_games: what trying candidate skills on the step's games needs. The games
+    are deterministic, so a game's episodes without the candidate are its group's this step."""
+
+    seeds: list[int]  # (B,) the step's games, one per group
+    queries: list[str]  # (B,) each game as skill retrieval reads it (`skill_query`)
+    baselines: torch.Tensor  # (B,) each game's mean reward this step, without the candidate (host)
+    play: Callable[[list[int], list[str]], list[float]]  # (seeds, hints) -> the reward of one episode per pair, the hint in its prompts
+
+
+def effect_rewards(writing: Writing, games: EffectGames, cfg: RSIPOConfig) -> tuple[list[torch.Tensor | None], list[int], int]:
+    """Effect reward of every candidate (`distill.skill_effect`, penalised like the replay
+    reward): each valid candidate is played once, shown in the prompt, on the `skills.effect_games`
+    games of the step most related to its source's game (`skills.related`, never that game
+    itself); its reward is the mean over them of R - b. Returns per source the (K,) rewards (None
+    when there is no other game), the games each source's candidates were tried on, and the
+    episodes played."""
+    sc, K, G = cfg.skills, cfg.skills.candidates, cfg.train.group_size
+    plans = []
+    for j in writing.sources:
+        b = j // G  # the source's group: its game
+        same = {i for i, seed in enumerate(games.seeds) if seed == games.seeds[b]}
+        plans.append(related(games.queries[b], games.queries, sc.effect_games, same))
+    jobs = [(s, k, m) for s, plan in enumerate(plans) for k in range(K) if writing.parsed[s * K + k].valid for m in plan]
+    played = games.play([games.seeds[m] for _, _, m in jobs], [skill_hint([writing.parsed[s * K + k].text]) for s, k, _ in jobs]) if jobs else []
+    got = dict(zip(jobs, played))
+    rewards: list[torch.Tensor | None] = []
+    for s, plan in enumerate(plans):
+        if not plan:
+            rewards.append(None)
+            continue
+        cands = writing.parsed[s * K : (s + 1) * K]
+        raw = [skill_effect(torch.tensor([got[(s, k, m)] for m in plan], device="cpu"), games.baselines[plan]).item() if p.valid else 0.0
+               for k, p in enumerate(cands)]
+        rewards.append(penalised(raw, [p.words for p in cands], [not p.valid for p in cands], sc.max_words, sc.length_penalty, sc.invalid_reward))
+    return rewards, [len(p) for p in plans], len(jobs)
+
+
+def hinted_episode_rewards(policy: Policy, pool: EnvPool, seeds: list[int], hints: list[str], sampling: SamplingParams, gen: torch.Generator,
+                           system: str | None, cfg: RSIPOConfig, multi_turn: bool, reward_set: RewardSet | None) -> list[float]:
+    """One sampled episode (or completion) per (seed, hint), the hint in its prompts as an
+    in-context skill is shown; their rewards (the [[reward]] sum when set)."""
+    if multi_turn:
+        episodes = rollout_episodes(policy, pool, seeds, 1, sampling, gen, system, cfg.agent, hints=hints).episodes
+        return [e.total_reward for e in episodes] if reward_set is None else score_episodes(reward_set, episodes).totals
+    trajs = rollout(policy, pool, seeds, 1, sampling, gen, system, hints=hints).trajectories
+    if reward_set is not None:
+        score_trajectories(reward_set, trajs)
+    return [t.reward for t in trajs]
+
+
+@dataclass
 class SkillStep:
     """What one step's skill writing produced for the update and the logs."""
 
@@ -489,6 +546,7 @@ class SkillStep:
     log: list[dict] = field(default_factory=list)  # one record per candidate (skills.jsonl)
     metrics: dict[str, float] = field(default_factory=dict)
     rescored: int = 0  # buffer attempts replayed (re-scored, not played again)
+    episodes: int = 0  # episodes played to try candidates on related games (skills.effect_games)
 
 
 def admit(library: SkillLibrary, text: str, reward: float | None, src: Attempt, outcome: str, cfg: RSIPOConfig, step: int) -> tuple[int | None, str]:
@@ -516,10 +574,11 @@ def retire_useless(library: SkillLibrary, cfg: RSIPOConfig, step: int) -> int:
 
 
 def learn_skills(policy: Policy, attempts: list[Attempt], buffer: list[Attempt], library: SkillLibrary, cfg: RSIPOConfig, system: str | None,
-                 gen: torch.Generator, step: int) -> SkillStep:
+                 gen: torch.Generator, step: int, games: EffectGames | None = None) -> SkillStep:
     """Write K candidates for each chosen attempt (or success/failure pair), reward them by
-    replay, admit each source's best candidate to the library (with provenance; curated
-    with skills.curate), and make the writing rows."""
+    replay (or, with skills.effect_games, by their effect on the step's `games`), admit each
+    source's best candidate to the library (with provenance; curated with skills.curate), and
+    make the writing rows."""
     sc, K = cfg.skills, cfg.skills.candidates
     B, G = cfg.train.prompts_per_step, cfg.train.group_size
     stats = SkillWritingStats()
@@ -529,10 +588,14 @@ def learn_skills(policy: Policy, attempts: list[Attempt], buffer: list[Attempt],
         sources, partners = choose_sources(attempts, B, G, sc.write_per_group, gen, sc.sources == "wins"), None
     writing = write_skills(policy, attempts, sources, cfg, system, gen, stats, partners)
     replay: list[torch.Tensor | None] = [None] * len(sources)
-    replayed = [0] * len(sources)
-    if sc.replay_reward:
+    replayed, tried, effect_episodes = [0] * len(sources), [0] * len(sources), 0
+    if sc.replay_reward and sc.effect_games:
+        if games is None:
+            raise ValueError("skills.effect_games > 0: learn_skills needs the step's games (EffectGames)")
+        replay, tried, effect_episodes = effect_rewards(writing, games, cfg)
+    elif sc.replay_reward:
         replay, replayed = replay_rewards(policy, writing, attempts, buffer, cfg, system, gen)
-    out, advantages = SkillStep(), []
+    out, advantages = SkillStep(episodes=effect_episodes), []
     admissions = {"added": 0, "merged": 0, "dropped": 0}
     for s, j in enumerate(sources):
         src, cands, r, partner = attempts[j], writing.parsed[s * K : (s + 1) * K], replay[s], writing.partners[s]
@@ -563,6 +626,8 @@ def learn_skills(policy: Policy, attempts: list[Attempt], buffer: list[Attempt],
             record = {"source_seed": src.seed, "source_success": src.success, "candidate": k, "text": cands[k].text, "valid": cands[k].valid,
                       "reason": cands[k].reason, "words": cands[k].words, "reward": None if r is None else float(r[k]),
                       "admitted": k == best, "replayed": replayed[s]}
+            if sc.effect_games:
+                record["effect_games"] = tried[s]  # the related games each candidate of this source was played on
             if partner is not None:
                 record["contrast"] = True  # written from this failure beside a success of the same game
             out.log.append(record)
@@ -582,6 +647,8 @@ def learn_skills(policy: Policy, attempts: list[Attempt], buffer: list[Attempt],
         "skills/len_words_mean": words.mean().item() if words.numel() else float("nan"),
         "skills/writing_rows": float(len(out.rows)),
     }
+    if sc.effect_games:
+        out.metrics["skills/effect_episodes"] = float(effect_episodes)
     if sc.contrastive:
         valid_texts = [p.text for p in writing.parsed if p.valid]
         out.metrics["skills/contrastive_sources"] = float(sum(p is not None for p in writing.partners))
@@ -1136,7 +1203,7 @@ def step_metrics(played: Played, skills: SkillStep, hinted: HintedStep, wins: Wi
         **skills.metrics,
         **hinted.metrics,
         **wins.metrics,
-        "episodes/sampled": len(played.attempts) + hinted.episodes,
+        "episodes/sampled": len(played.attempts) + hinted.episodes + skills.episodes,
         "episodes/rescored": skills.rescored,
         "budget/episodes": episodes,
         **update_metrics(st, rows, n_batch, cfg, opt_step),
@@ -1235,7 +1302,11 @@ def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress 
         times.append(time.perf_counter())
 
         # ---- skills: write K candidates per chosen attempt, reward them by replay, admit the best
-        skills = learn_skills(policy, played.attempts, list(buffer), library, cfg, system, gen, step + 1) if cfg.skills.enabled else SkillStep()
+        games = None
+        if cfg.skills.effect_games:  # candidates are tried on the step's games; each game's group is its reward without them
+            games = EffectGames(seeds, [skill_query(a.task, a.contexts[0].observation) for a in played.attempts[::G]], played.rewards.mean(dim=1),
+                                lambda s, h: hinted_episode_rewards(policy, pool, s, h, sampling, gen, system, cfg, multi_turn, reward_set))
+        skills = learn_skills(policy, played.attempts, list(buffer), library, cfg, system, gen, step + 1, games) if cfg.skills.enabled else SkillStep()
         if skills.log:
             store.append_jsonl("skills", step + 1, skills.log)
         if shown is not None:
@@ -1265,7 +1336,7 @@ def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress 
         st = update(policy, optimizer, batch, cfg, gen, opt_step, imitation, learner=run.learner, anchor=anchor, distillation=distillation)
         check_finite(step + 1, loss=st.loss, grad_norm=st.grad_norm)
         opt_step += st.opt_steps
-        episodes += len(played.attempts) + hinted.episodes
+        episodes += len(played.attempts) + hinted.episodes + skills.episodes
         engine.load_weights(policy)  # the rollout engine samples the next step with the new weights
         times.append(time.perf_counter())
 

@@ -8,7 +8,7 @@ retrieved into later contexts.
 """
 
 from recursa.skills.library import Skill, SkillLibrary, SkillStats, normalise
-from recursa.skills.retrieval import BM25Index, EmbeddingRetriever, retrieve, retrieve_many, tokenize
+from recursa.skills.retrieval import BM25Index, EmbeddingRetriever, related, retrieve, retrieve_many, tokenize
 from recursa.skills.writing import (
     ParsedSkill,
     SkillWritingStats,
@@ -30,6 +30,7 @@ __all__ = [
     "normalise",
     "parse_skill",
     "render_trajectory_for_skill",
+    "related",
     "retrieve",
     "retrieve_many",
     "skill_writing_prompt",

@@ -90,6 +90,17 @@ class BM25Index:
         return [(i, s) for i, s in _ranked(self.scores(query), k) if s > 0]
 
 
+def related(query: str, docs: list[str], k: int, exclude: set[int] | frozenset[int] = frozenset()) -> list[int]:
+    """The indices of the k documents most related to `query`, none of `exclude`: by BM25
+    score over `docs` (highest first), then, when fewer than k share a term with the query,
+    the rest in index order. (The games a written skill is tried on: the step's other games,
+    those whose task reads most like the source's first.)"""
+    scores = BM25Index().build(docs).scores(query) if docs else []
+    ranked = [i for i, s in _ranked(scores, len(docs)) if s > 0 and i not in exclude]
+    rest = [i for i in range(len(docs)) if i not in exclude and i not in ranked]
+    return (ranked + rest)[: max(k, 0)]
+
+
 @functools.lru_cache(maxsize=1)
 def _minilm_encoder() -> Callable[[list[str]], np.ndarray]:
     try:
