@@ -761,8 +761,8 @@ def interpolated_entries(name: str, seed: int, args, game: dict) -> list[tuple[s
 
 # what the recipe did in a run: step means of these metrics (non-finite steps skipped), and of
 # every metric under these prefixes
-DIAGNOSTICS = ("reward/mean", "episodes/sampled")
-DIAGNOSTIC_PREFIXES = ("teacher/", "trust/", "skills/", "route/", "hint/", "rollout/", "rloop/", "rft/", "curriculum/", "branch/")
+DIAGNOSTICS = ("reward/mean", "episodes/sampled", "loss/distill")
+DIAGNOSTIC_PREFIXES = ("teacher/", "anchor/", "trust/", "skills/", "route/", "hint/", "rollout/", "rloop/", "rft/", "curriculum/", "branch/")
 
 
 def diagnostics(rows: list[dict], run_dir: Path) -> dict:
@@ -978,7 +978,7 @@ def table(result: dict) -> str:
             lines.append(f"| {name} | " + " | ".join(f"{counts[g][0]}/{counts[g][1]}" if g in counts else "-" for g in labels) + " |")
         lines.append("")
     keys = sorted({k for e in result["recipes"].values() for s in e["seeds"] for k, v in s.get("diagnostics", {}).items() if isinstance(v, (int, float))})
-    keys = [k for k in keys if any(k.startswith(p) for p in ("teacher/share", "teacher/trust", "teacher/corr", "trust/mean", "skills/admitted", "skills/replay", "route/", "hint/", "episodes/", "reward/mean", "rollout/logprob"))]
+    keys = [k for k in keys if any(k.startswith(p) for p in ("teacher/share", "teacher/trust", "teacher/corr", "teacher/distill", "loss/distill", "skills/effect", "trust/mean", "skills/admitted", "skills/replay", "route/", "hint/", "episodes/", "reward/mean", "rollout/logprob", "anchor/nll"))]
     if keys:
         lines += ["What each recipe did (step means, then the mean over seeds):", "", "| recipe | " + " | ".join(keys) + " |", "|---|" + "---:|" * len(keys)]
         for name, entry in result["recipes"].items():

@@ -1042,7 +1042,7 @@ class SkillsConfig(_Section):
         0,
         ge=0,
         description="> 0: reward each candidate by its effect instead of by replay: it is shown in the prompt of this many related games of the step "
-        "(the step's other games, those whose task reads most like the source's first; one sampled episode each, counted in budget/episodes), "
+        "(the step's other games, those whose task reads most like the source's first, at most all of them; one sampled episode each, counted in budget/episodes), "
         "and its reward is the mean of R - b, b the game's mean reward without it (its group's); 0: the replay reward",
     )
     coef: float = Field(0.1, ge=0, description="lambda_skill: the writing tokens' advantage is coef x the group-normalised replay reward (0: not trained)")
@@ -1145,9 +1145,6 @@ class RSIPOConfig(RecipeBase):
         if self.skills.effect_games and not self.skills.replay_reward:
             raise ValueError("skills.effect_games > 0 rewards each candidate by its effect, but skills.replay_reward = false rewards none "
                              "(the first valid candidate is admitted): set skills.replay_reward = true, or skills.effect_games = 0")
-        if self.skills.effect_games and self.skills.effect_games >= self.train.prompts_per_step:
-            raise ValueError(f"skills.effect_games = {self.skills.effect_games} related games must be fewer than the step's "
-                             f"train.prompts_per_step = {self.train.prompts_per_step} games (a candidate is tried on the others): lower it")
         if self.hatch.enabled and self.hatch.hint == "skill":
             if not self.skills.enabled:
                 raise ValueError("hatch.hint = 'skill' re-rolls with the library's skill, but skills.enabled = false writes none: enable skills or use hatch.hint = 'reflection'")

@@ -458,8 +458,6 @@ def test_config_checks_of_the_signal_switches():
         _cfg("hatch.hint=walkthrough")  # the oracle is labelled as such
     with pytest.raises(UserError, match="skills.replay_reward = false rewards none"):
         _cfg("skills.effect_games=1", "skills.replay_reward=false")
-    with pytest.raises(UserError, match="fewer than the step's"):
-        _cfg("skills.effect_games=2", "train.prompts_per_step=2")
     with pytest.raises(UserError, match="teacher.mode"):
         _cfg("teacher.mode=kl")
 
