@@ -276,7 +276,8 @@ def teacher_logprobs(policy: Policy, rows: list[Trajectory], contexts: list[Cont
     """(teacher, student) log-probs of every row's action tokens, at the current weights, no
     gradient: log pi(a_t | context + hint) and log pi(a_t | context), zeros where the hint is
     None; with `topk = k` a third list, the teacher's k most likely tokens at each action
-    position, (ids, log-probs) of shape (actions, k) per row (zeros where the hint is None). The student context is the row's own prompt ids; the teacher's is the same user
+    position, (ids, log-probs) of shape (actions, k) per row (zeros where the hint is None).
+    The student context is the row's own prompt ids; the teacher's is the same user
     message rendered again with the hint inserted, through the same chat template; the action
     ids are the row's, untouched. A row whose policy saw a skill in context (ctx.hint) has the
     bare message re-rendered as its student context, so Delta is always hint vs no hint (and
