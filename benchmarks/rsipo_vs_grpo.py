@@ -622,8 +622,9 @@ def start_extension(src: Path, steps: int, out: Path, spec: dict, sets: list[str
     for f in src.iterdir():
         if f.is_file() and f.suffix in (".jsonl", ".sqlite"):
             shutil.copy2(f, out / f.name)
-    for f in (src / "eval").glob("*.json"):
-        shutil.copy2(f, out / "eval" / f.name)
+    for f in (src / "eval").glob("*.json"):  # the curve's points; not evaluations of the final weights made another way (after_wise*, after_skills)
+        if f.stem in ("before", "after") or f.stem.startswith("step_"):
+            shutil.copy2(f, out / "eval" / f.name)
     ckpt = Path("checkpoints") / f"step_{steps:06d}"
     for f in (src / ckpt).rglob("*"):
         if f.is_file():

@@ -858,15 +858,18 @@ def test_benchmark_extends_a_kept_run_to_more_steps(tmp_path):
 
     bench("2", "--keep-checkpoints", "--tag", "@short")
     short_dir = tmp_path / "runs" / "toy_corridor" / "grpo@short_seed0"
+    (short_dir / "eval" / "after_wise0.5.json").write_text((short_dir / "eval" / "after.json").read_text())  # the shorter run's weights, evaluated another way
     before = sorted((p.relative_to(short_dir), p.stat().st_size) for p in short_dir.rglob("*") if p.is_file() and p.name != ".recursa.lock")
     out = bench("3", "--tag", "@long", "--extend-from", "@short").stdout
     assert "going on from step 2" in out
+    long_dir = tmp_path / "runs" / "toy_corridor" / "grpo@long_seed0"
+    assert sorted(p.name for p in (long_dir / "eval").glob("*.json")) == ["after.json", "step_0001.json", "step_0002.json"]  # no after_wise0.5.json
     bench("3", "--tag", "@whole")
     games = tmp_path / "out" / "toy_corridor"
     ext, whole, short = (json.loads((games / f"grpo@{t}_seed0.json").read_text()) for t in ("long", "whole", "short"))
     assert ext["spec"] == whole["spec"] and ext["heldout"]["items"] == whole["heldout"]["items"]
     assert [(p["episodes"], p["items"]) for p in ext["curve"]] == [(p["episodes"], p["items"]) for p in whole["curve"]]
-    assert [p["step"] for p in ext["curve"]] == [1, 2, 3] 
+    assert [p["step"] for p in ext["curve"]] == [1, 2, 3]
     assert [(i["seed"], i["success"]) for i in ext["curve"][1]["items"]] == [(i["seed"], i["success"]) for i in short["heldout"]["items"]]
     assert ext["extended_from"] == {"run": str(short_dir), "steps": 2} and ext["pieces"] == 2 and "extended_from" not in whole
     assert sorted((p.relative_to(short_dir), p.stat().st_size) for p in short_dir.rglob("*") if p.is_file() and p.name != ".recursa.lock") == before
