@@ -257,7 +257,7 @@ def _skill_learning(monkeypatch, texts: dict[int, str]):
     """learn_skills admits texts[step] at each step (no writing, no replay)."""
     from recursa.recipes import rsipo
 
-    def learn(policy, attempts, buffer, library, cfg, system, gen, step):
+    def learn(policy, attempts, buffer, library, cfg, system, gen, step, games=None):
         out = rsipo.SkillStep()
         if step in texts:
             out.admitted[library.add(texts[step], cfg.env.name, attempts[0].seed, step, "success", created_step=step)] = 0
