@@ -193,6 +193,17 @@ def test_skills_in_context_put_the_hint_in_the_policys_prompts(tiny_policy):
                 assert torch.allclose(got, want[0, len(prompt):], atol=1e-5)
         if ctx.hint is not None:
             assert render_prompt(tok, user_message(ctx, cfg.agent, hint), None) == row.token_ids[:first]  # the teacher: the row's own prompt
+    # with topk the teacher's (ids, log-probs) sit at the same action positions as its Delta's log-probs
+    teacher_k, student_k, top = teacher_logprobs(tiny_policy, rows, contexts, [hint] * len(rows), cfg, None, topk=64)  # an eighth of the tiny vocab: some sampled tokens land in it
+    hits = 0
+    for row, lt, lt_k, ls, ls_k, (ids, logp) in zip(rows, teacher, teacher_k, student, student_k, top):
+        torch.testing.assert_close(lt_k, lt, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ls_k, ls, atol=1e-5, rtol=1e-5)
+        first = row.action_mask.index(1)
+        hit = ids == torch.tensor(row.token_ids[first:])[:, None]
+        hits += int(hit.sum())
+        torch.testing.assert_close(logp[hit], lt[:, None].expand_as(logp)[hit], atol=1e-5, rtol=1e-5)
+    assert hits > 0
 
 
 def test_recipe_with_skills_in_context(tmp_path, monkeypatch):

@@ -58,6 +58,11 @@ def test_topk_and_at_ids_agree_on_both_paths(tiny_policy):
         assert (top[~act] == 0).all() and (ids[~act] == 0).all()
         assert (top[act][:, 0] >= logp[act] - 1e-6).all()  # the most likely token is at least as likely as the sampled one
         assert (top[act][:, :-1] >= top[act][:, 1:]).all()  # sorted, most likely first
+        # aligned with the sampled tokens: where a position's own token is among its top-k, the
+        # log-prob there is that token's log-prob (a top-k taken one position off would fail)
+        hit = (ids == batch.input_ids[..., None]) & act[..., None]
+        assert hit.any()
+        torch.testing.assert_close(top[hit], logp[..., None].expand_as(top)[hit], atol=2e-5, rtol=1e-5)
         model.zero_grad(set_to_none=True)
         logp2, _, at = fn(model, batch.input_ids, batch.attention_mask, batch.action_mask, 0.9, 4, at_ids=ids)
         torch.testing.assert_close(at.detach()[act], top[act], atol=2e-5, rtol=1e-5)
