@@ -763,7 +763,7 @@ def interpolated_entries(name: str, seed: int, args, game: dict) -> list[tuple[s
 # what the recipe did in a run: step means of these metrics (non-finite steps skipped), and of
 # every metric under these prefixes
 DIAGNOSTICS = ("reward/mean", "episodes/sampled", "loss/distill")
-DIAGNOSTIC_PREFIXES = ("teacher/", "anchor/", "trust/", "skills/", "route/", "hint/", "rollout/", "rloop/", "rft/", "curriculum/", "branch/")
+DIAGNOSTIC_PREFIXES = ("policy/", "teacher/", "anchor/", "trust/", "skills/", "route/", "hint/", "rollout/", "rloop/", "rft/", "curriculum/", "branch/")
 
 
 def diagnostics(rows: list[dict], run_dir: Path) -> dict:
