@@ -764,6 +764,10 @@ def interpolated_entries(name: str, seed: int, args, game: dict) -> list[tuple[s
 # every metric under these prefixes
 DIAGNOSTICS = ("reward/mean", "episodes/sampled", "loss/distill")
 DIAGNOSTIC_PREFIXES = ("policy/", "teacher/", "anchor/", "trust/", "skills/", "route/", "hint/", "rollout/", "rloop/", "rft/", "curriculum/", "branch/")
+# the summary's table shows the diagnostics that start with one of these (the result files keep all)
+REPORTED_DIAGNOSTICS = ("teacher/share", "teacher/trust", "teacher/corr", "teacher/distill", "loss/distill", "skills/effect", "trust/mean",
+                        "skills/admitted", "skills/replay", "route/", "hint/", "episodes/", "reward/mean", "rollout/logprob", "anchor/nll",
+                        "policy/clip_frac", "policy/approx_kl_old", "policy/entropy")
 
 
 def diagnostics(rows: list[dict], run_dir: Path) -> dict:
@@ -979,7 +983,7 @@ def table(result: dict) -> str:
             lines.append(f"| {name} | " + " | ".join(f"{counts[g][0]}/{counts[g][1]}" if g in counts else "-" for g in labels) + " |")
         lines.append("")
     keys = sorted({k for e in result["recipes"].values() for s in e["seeds"] for k, v in s.get("diagnostics", {}).items() if isinstance(v, (int, float))})
-    keys = [k for k in keys if any(k.startswith(p) for p in ("teacher/share", "teacher/trust", "teacher/corr", "teacher/distill", "loss/distill", "skills/effect", "trust/mean", "skills/admitted", "skills/replay", "route/", "hint/", "episodes/", "reward/mean", "rollout/logprob", "anchor/nll"))]
+    keys = [k for k in keys if k.startswith(REPORTED_DIAGNOSTICS)]
     if keys:
         lines += ["What each recipe did (step means, then the mean over seeds):", "", "| recipe | " + " | ".join(keys) + " |", "|---|" + "---:|" * len(keys)]
         for name, entry in result["recipes"].items():

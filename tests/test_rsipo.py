@@ -1054,3 +1054,25 @@ def test_benchmark_names_the_game_when_it_is_not_the_env():
     assert name({"env": "twx:twc", "game": "twx_twc"}) == "twx:twc"
     assert name({"env": "toy-corridor", "game": "toy_corridor"}) == "toy-corridor"
     assert name({"env": "household"}) == "household"  # a summary written before the field existed
+
+
+def test_benchmark_summary_table_shows_the_update_diagnostics():
+    """The summary's diagnostics table carries the update's clipped share, KL to the rollout
+    policy and entropy (step means, averaged over seeds by hand), '-' for a run that did not
+    log them, and leaves out metrics that are not on its list."""
+    bench = _bench()
+
+    def run(seed, diag):
+        items = [{"seed": g, "success": s} for g, s in enumerate([1, 0, 1, 0])]
+        return {"seed": seed, "episodes": 256, "wall_s": 60.0, "diagnostics": diag,
+                "heldout": {"items": items, "success_rate": 0.5}, "curve": [{"episodes": 256, "items": items}]}
+
+    result = {"budget": {"steps": 8, "prompts_per_step": 4, "group_size": 8, "episodes": 256, "eval_n": 4, "split": "test"},
+              "warm_start": "runs/ws", "seeds": [0, 1], "env": "household", "game": "household_light", "recipes": {
+                  "grpo": {"seeds": [run(0, {"policy/clip_frac": 0.01, "policy/grad_norm": 0.7}), run(1, {"policy/clip_frac": 0.02})]},
+                  "grpo@old": {"seeds": [run(0, {"reward/mean": 0.25})]}}}
+    result["comparisons"] = bench.summarise(result)
+    text = bench.table(result)
+    header = next(line for line in text.splitlines() if line.startswith("| recipe | policy/clip_frac"))
+    assert header.split(" | ")[1:] == ["policy/clip_frac", "reward/mean |"]  # policy/grad_norm is not reported
+    assert "| grpo | 0.015 | - |" in text and "| grpo@old | - | 0.250 |" in text
