@@ -13,8 +13,12 @@ and without each teacher's text, the two actions taken there. Reported per teach
 * `student prefers win`: the share of critical turns where the bare policy already gives the
   winner's action a higher log-probability than the failed one (the baseline);
 * `teacher prefers win`: the same with the teacher's text in the context;
-* `margin shift`: the mean change the text makes to log p(win action) - log p(failed action),
-  in nats (positive: the text moves the policy toward the winning action);
+* `flips`: the critical turns where the text turns the preference toward the winner's action,
+  and those where it turns it away;
+* `margin shift`: the mean and median change the text makes to log p(win action) - log
+  p(failed action), in nats (positive: the text moves the policy toward the winning action);
+* on the critical turns where the game's walkthrough takes the winner's action: how many, and
+  on how many of them the bare policy and the teacher prefer that action;
 * `Delta at critical / before / after`: the teacher's token Delta = log pi(a | ctx + text) -
   log pi(a | ctx) on the failed episode's own actions, at the critical turn, on the turns
   before it (shared with the winner) and after it. The advantage-mode teacher adds psi(Delta)
@@ -90,17 +94,36 @@ def summarise(turns: list[dict], episodes: list[dict]) -> dict:
     failed and the winning action, the failed episode's token Delta at / before / after the
     critical turn) and its per-episode (mean Delta, advantage) records."""
     n = len(turns)
+    student = [t["student_win"] > t["student_fail"] for t in turns]
+    teacher = [t["teacher_win"] > t["teacher_fail"] for t in turns]
+    shifts = sorted((t["teacher_win"] - t["teacher_fail"]) - (t["student_win"] - t["student_fail"]) for t in turns)
+    agree = [k for k, t in enumerate(turns) if t.get("walkthrough_action") == t["win_action"]]
     return {
         "critical_turns": n,
-        "student_prefers_win": _mean([float(t["student_win"] > t["student_fail"]) for t in turns]),
-        "teacher_prefers_win": _mean([float(t["teacher_win"] > t["teacher_fail"]) for t in turns]),
-        "margin_shift": _mean([(t["teacher_win"] - t["teacher_fail"]) - (t["student_win"] - t["student_fail"]) for t in turns]),
+        "student_prefers_win": _mean([float(x) for x in student]),
+        "teacher_prefers_win": _mean([float(x) for x in teacher]),
+        "margin_shift": _mean(shifts),
+        "margin_shift_median": (shifts[(n - 1) // 2] + shifts[n // 2]) / 2 if n else None,
+        "flips_to_win": sum(t and not s for s, t in zip(student, teacher)),
+        "flips_to_fail": sum(s and not t for s, t in zip(student, teacher)),
+        # the turns where the game's walkthrough takes the winner's action: how often each side prefers it there
+        "walkthrough_is_win": len(agree),
+        "student_prefers_win_there": sum(student[k] for k in agree),
+        "teacher_prefers_win_there": sum(teacher[k] for k in agree),
         "delta_critical": _mean([t["delta_at"] for t in turns]),
         "delta_before": _mean([t["delta_before"] for t in turns if t["delta_before"] is not None]),
         "delta_after": _mean([t["delta_after"] for t in turns if t["delta_after"] is not None]),
         "episodes_with_text": len(episodes),
         "corr_delta_advantage": pearson([e["delta"] for e in episodes], [e["advantage"] for e in episodes]),
     }
+
+
+def walkthrough_action(pool, seed: int, turn: int) -> str | None:
+    """The game's walkthrough action at `turn` (None past its end)."""
+    env = pool.take(1)[0]
+    env.reset(seed)
+    plan = env.walkthrough()
+    return plan[turn] if turn < len(plan) else None
 
 
 def probe(policy, cfg, pools: dict, seeds: dict, sources: list[str], group_size: int, log=print) -> tuple[dict, list[dict]]:
@@ -163,6 +186,7 @@ def probe(policy, cfg, pools: dict, seeds: dict, sources: list[str], group_size:
                 after = [delta[(i, u)] for u in range(t + 1, n_turns)]
                 turns[source].append({
                     "task": task, "seed": attempts[i].seed, "turn": t, "failed_action": attempts[i].texts[t], "win_action": attempts[j].texts[t],
+                    "walkthrough_action": walkthrough_action(pool, attempts[i].seed, t),
                     "student_fail": total[(i, t)][0], "teacher_fail": total[(i, t)][1],
                     "student_win": scores[base + 2 * k], "teacher_win": scores[base + 2 * k + 1],
                     "delta_at": delta[(i, t)], "delta_before": _mean(before), "delta_after": _mean(after),
@@ -227,11 +251,14 @@ def main(argv: list[str] | None = None) -> int:
              f"Command: `python benchmarks/teacher_probe.py --games {args.games} --group-size {args.group_size} --sources {args.sources}`; "
              f"{args.games} train-split games per task type x {args.group_size} sampled episodes (T = 1), {won}/{args.group_size * len(games)} won; "
              f"{wall:.0f} s.", "",
-             "| teacher source | critical turns | student prefers win | teacher prefers win | margin shift (nats) | "
+             "| teacher source | critical turns | student prefers win | teacher prefers win | flips to win / to fail | margin shift, mean / median (nats) | "
+             "where the walkthrough's action is the winner's: turns, student / teacher prefer it | "
              "Delta at critical / before / after (nats per token) | episodes with text | corr(Delta, A) |",
-             "|---|---:|---:|---:|---:|---|---:|---:|"]
+             "|---|---:|---:|---:|---|---|---|---|---:|---:|"]
     for s, e in summary.items():
-        lines.append(f"| {s} | {e['critical_turns']} | {f(e['student_prefers_win'], '.2f')} | {f(e['teacher_prefers_win'], '.2f')} | {f(e['margin_shift'])} "
+        lines.append(f"| {s} | {e['critical_turns']} | {f(e['student_prefers_win'], '.2f')} | {f(e['teacher_prefers_win'], '.2f')} "
+                     f"| {e['flips_to_win']} / {e['flips_to_fail']} | {f(e['margin_shift'])} / {f(e['margin_shift_median'])} "
+                     f"| {e['walkthrough_is_win']}: {e['student_prefers_win_there']} / {e['teacher_prefers_win_there']} "
                      f"| {f(e['delta_critical'])} / {f(e['delta_before'])} / {f(e['delta_after'])} | {e['episodes_with_text']} | {f(e['corr_delta_advantage'], '+.2f')} |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

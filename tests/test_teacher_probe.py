@@ -50,15 +50,20 @@ def test_critical_pairs_pair_each_failure_with_the_first_winner_it_left_from_a_s
 def test_summary_of_hand_made_critical_turns():
     tp = _probe()
     turns = [
-        {"student_win": -1.0, "student_fail": -0.5, "teacher_win": -0.2, "teacher_fail": -0.9, "delta_at": -0.4, "delta_before": 0.1, "delta_after": None},
-        {"student_win": -0.3, "student_fail": -0.6, "teacher_win": -0.3, "teacher_fail": -0.3, "delta_at": 0.2, "delta_before": None, "delta_after": -0.1},
+        {"student_win": -1.0, "student_fail": -0.5, "teacher_win": -0.2, "teacher_fail": -0.9, "delta_at": -0.4, "delta_before": 0.1, "delta_after": None,
+         "win_action": "go", "walkthrough_action": "go"},
+        {"student_win": -0.3, "student_fail": -0.6, "teacher_win": -0.3, "teacher_fail": -0.3, "delta_at": 0.2, "delta_before": None, "delta_after": -0.1,
+         "win_action": "go", "walkthrough_action": "stay"},
     ]
     episodes = [{"delta": 0.1, "advantage": 0.5}, {"delta": -0.1, "advantage": -0.5}, {"delta": 0.3, "advantage": 0.5}]
     s = tp.summarise(turns, episodes)
     assert s["critical_turns"] == 2
     assert s["student_prefers_win"] == 0.5 and s["teacher_prefers_win"] == 0.5  # a tie is not a preference
     # margins: student -0.5 and +0.3, teacher +0.7 and 0 -> shifts +1.2 and -0.3
-    assert s["margin_shift"] == pytest.approx(0.45)
+    assert s["margin_shift"] == pytest.approx(0.45) and s["margin_shift_median"] == pytest.approx(0.45)
+    assert (s["flips_to_win"], s["flips_to_fail"]) == (1, 1)  # the first turns to the win, the second away (a tie)
+    # only the first turn's walkthrough action is the winner's: the student did not prefer it there, the teacher did
+    assert (s["walkthrough_is_win"], s["student_prefers_win_there"], s["teacher_prefers_win_there"]) == (1, 0, 1)
     assert s["delta_critical"] == pytest.approx(-0.1) and s["delta_before"] == pytest.approx(0.1) and s["delta_after"] == pytest.approx(-0.1)
     # deltas 0.1, -0.1, 0.3 (mean 0.1) against 0.5, -0.5, 0.5 (mean 1/6): sxy = 0.2, sxx = 0.08, syy = 2/3
     assert s["corr_delta_advantage"] == pytest.approx(0.2 / (0.08 * 2 / 3) ** 0.5)
@@ -131,6 +136,7 @@ def test_probe_scores_equal_a_forward_pass_by_hand():
     i, j, t = tp.critical_pairs(attempts, 4)[0]
     rec = turns[0]
     assert (rec["seed"], rec["turn"], rec["failed_action"], rec["win_action"]) == (attempts[i].seed, t, attempts[i].texts[t], attempts[j].texts[t])
+    assert rec["walkthrough_action"] == ["go", "go"][t]
     hints, _ = teacher_hints(attempts, cfg, None, pools["parity"], True, 4)
     ctx = attempts[i].contexts[t]
     bare = render_prompt(tok, user_message(ctx, cfg.agent), None)
