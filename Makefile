@@ -17,7 +17,7 @@ else
 TORCH_SPEC ?= $(shell ls /opt/wheels/torch-$(TORCH_VERSION)+cpu-*.whl >/dev/null 2>&1 && echo torch==$(TORCH_VERSION) || echo "torch==$(TORCH_VERSION) --index-url https://download.pytorch.org/whl/cpu")
 endif
 
-.PHONY: setup setup-vllm demo test test-fast test-vllm smoke docs wheel-check lint clean
+.PHONY: setup setup-vllm demo test test-fast test-vllm smoke docs wheel-check clean
 
 setup: $(STAMP)
 
