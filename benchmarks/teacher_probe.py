@@ -26,7 +26,8 @@ and without each teacher's text, the two actions taken there. Reported per teach
   the others;
 * `corr(Delta, A)`: over the episodes of groups that both won and failed (the only ones
   whose outcome advantage is not 0; the teacher is scored on these alone), the correlation
-  of an episode's mean token Delta with its outcome advantage (as `teacher/corr` in training).
+  of an episode's mean token Delta with its group-centred outcome advantage (training's
+  `teacher/corr_delta_adv` uses the recipe's normalised advantage, so the two can differ).
 
     python benchmarks/teacher_probe.py                         # household from runs/household_sft_light
     python benchmarks/teacher_probe.py --games 8 --sources sibling,reference
@@ -40,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -80,13 +82,12 @@ def _mean(xs: list[float]) -> float | None:
 
 
 def pearson(x: list[float], y: list[float]) -> float | None:
-    """Pearson correlation; None for fewer than 3 points or a constant side."""
-    if len(x) < 3:
-        return None
-    mx, my = sum(x) / len(x), sum(y) / len(y)
-    sxy = sum((a - mx) * (b - my) for a, b in zip(x, y))
-    sxx, syy = sum((a - mx) ** 2 for a in x), sum((b - my) ** 2 for b in y)
-    return sxy / math.sqrt(sxx * syy) if sxx > 0 and syy > 0 else None
+    """Pearson correlation (recursa.algorithms.self_reward.pearson); None for fewer than 3
+    points or a constant side."""
+    from recursa.algorithms.self_reward import pearson as corr
+
+    r = corr(x, y) if len(x) >= 3 else float("nan")
+    return None if math.isnan(r) else r
 
 
 def summarise(turns: list[dict], episodes: list[dict]) -> dict:
@@ -96,14 +97,14 @@ def summarise(turns: list[dict], episodes: list[dict]) -> dict:
     n = len(turns)
     student = [t["student_win"] > t["student_fail"] for t in turns]
     teacher = [t["teacher_win"] > t["teacher_fail"] for t in turns]
-    shifts = sorted((t["teacher_win"] - t["teacher_fail"]) - (t["student_win"] - t["student_fail"]) for t in turns)
+    shifts = [(t["teacher_win"] - t["teacher_fail"]) - (t["student_win"] - t["student_fail"]) for t in turns]
     agree = [k for k, t in enumerate(turns) if t.get("walkthrough_action") == t["win_action"]]
     return {
         "critical_turns": n,
         "student_prefers_win": _mean([float(x) for x in student]),
         "teacher_prefers_win": _mean([float(x) for x in teacher]),
         "margin_shift": _mean(shifts),
-        "margin_shift_median": (shifts[(n - 1) // 2] + shifts[n // 2]) / 2 if n else None,
+        "margin_shift_median": statistics.median(shifts) if n else None,
         "flips_to_win": sum(t and not s for s, t in zip(student, teacher)),
         "flips_to_fail": sum(s and not t for s, t in zip(student, teacher)),
         # the turns where the game's walkthrough takes the winner's action: how often each side prefers it there
@@ -173,12 +174,10 @@ def probe(policy, cfg, pools: dict, seeds: dict, sources: list[str], group_size:
             scored = score_actions(policy, jobs, cfg) if jobs else []
             scores = [s.sum().item() for s in scored]  # log-prob of the whole action
             per_tok = [s.mean().item() for s in scored]  # its mean per token
-            delta = {}  # (attempt, turn) -> mean token Delta of that turn's action
-            for k, (i, t) in enumerate(where):
-                delta[(i, t)] = per_tok[2 * k + 1] - per_tok[2 * k]
-            total = {}  # (attempt, turn) -> (student, teacher) log-prob of the whole action
-            for k, (i, t) in enumerate(where):
-                total[(i, t)] = (scores[2 * k], scores[2 * k + 1])
+            delta, total = {}, {}  # (attempt, turn) -> mean token Delta of that turn's action; (student, teacher) log-prob of all of it
+            for k, key in enumerate(where):
+                delta[key] = per_tok[2 * k + 1] - per_tok[2 * k]
+                total[key] = (scores[2 * k], scores[2 * k + 1])
             base = 2 * len(where)
             for k, (i, j, t) in enumerate(crit):
                 n_turns = len(attempts[i].contexts)
