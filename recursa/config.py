@@ -1086,10 +1086,11 @@ class HatchConfig(_Section):
     pi(a_t | hint), is_cap). The re-rolls are extra sampled episodes (episodes/sampled, budget/episodes)."""
 
     enabled: bool = Field(False, description="re-roll all-fail groups with a hint")
-    hint: Literal["reflection", "skill", "oracle_walkthrough"] = Field(
+    hint: Literal["reflection", "skill", "win", "oracle_walkthrough"] = Field(
         "reflection",
         description="reflection: the policy writes advice on one of the group's failed episodes (the skill-writing prompt for a failure, skills.* "
-        "writing settings); skill: the library's best skill for the game; oracle_walkthrough: ABLATION ONLY, the game's walkthrough "
+        "writing settings); skill: the library's best skill for the game; win: the actions of the policy's own winning episode (replay buffer, "
+        "skills.buffer_size) whose task line is most like the game's (BM25); oracle_walkthrough: ABLATION ONLY, the game's walkthrough "
         "(a single-turn task's reference answer), which a deployed agent never has",
     )
     rerolls: int = Field(2, ge=1, description="k: hinted episodes played per all-fail group")

@@ -135,6 +135,50 @@ def test_hinted_rerolls_train_under_the_unhinted_prompt_by_hand(tiny_policy, mon
     assert r == len(hinted.rows) and nonzero > 0
 
 
+def _won(task, texts, success=True, seed=0):
+    return Attempt("household", seed, 1, 0, success, task, [], [[1]] * len(texts), list(texts))
+
+
+def test_win_hints_show_the_most_alike_own_win_by_hand():
+    """hatch.hint = win reads the replay buffer: the win whose task line shares the most
+    (BM25-weighted) words with the failed game's, the most recent among equal ones; failed
+    attempts never; None where no win shares a word."""
+    heat = _won("heat some apple and put it in fridge", ["go to microwave 1", "heat apple 1 with microwave 1"])
+    cool_old = _won("cool some potato and put it in cabinet", ["go to fridge 1", "cool potato 1 with fridge 1"])
+    cool_new = _won("cool some potato and put it in cabinet", ["take potato 1", "cool potato 1 with fridge 1"])
+    lost = _won("cool some egg and put it in shelf", ["look"], success=False)  # the very same task line, but a failure
+    buffer = [heat, cool_old, lost, cool_new]
+    got = rsipo.win_hints(["cool some egg and put it in shelf", "heat some mug and put it in table", "examine the lamp"], buffer, True, 600)
+    assert got == ["Actions that won a similar game (cool some potato and put it in cabinet): take potato 1, cool potato 1 with fridge 1",
+                   "Actions that won a similar game (heat some apple and put it in fridge): go to microwave 1, heat apple 1 with microwave 1",
+                   None]  # "examine" and "lamp" are in no won task line
+    assert rsipo.win_hints(["cool some egg"], [lost], True, 600) == [None]  # no win in the buffer
+    (clipped,) = rsipo.win_hints(["heat some mug"], [heat], True, 40)
+    assert len(clipped) == 40 and clipped.endswith("...")
+    assert rsipo.win_hints(["Add 2 and 3."], [_won("Add 4 and 5.", ["9"])], False, 600) == ["A reply that was right on a similar task (Add 4 and 5.): 9"]
+
+
+def test_hatch_win_hints_reach_the_rerolls(tiny_policy, monkeypatch):
+    """In hinted_rerolls, hatch.hint = win re-rolls each all-fail group with its own-win hint
+    (from the buffer it is given), and a game no win resembles is not re-rolled."""
+    cfg = _cfg(*CORRIDOR, "train.prompts_per_step=2", "train.group_size=2", "hatch.enabled=true", "hatch.hint=win", "hatch.rerolls=2",
+               "skills.enabled=false", "teacher.source=none", "teacher.lam=0")
+    pool = EnvPool(lambda: make_env("toy-corridor", max_steps=3))
+    sampling, gen, seeds = SamplingParams(max_new_tokens=5), torch.Generator().manual_seed(0), [1, 2]
+    played = rsipo.play(tiny_policy, pool, seeds, None, sampling, gen, None, cfg, True, 1)
+    assert not played.success.any()
+    task = played.attempts[0].task
+    hints = []
+    real = rsipo.rollout_episodes
+    monkeypatch.setattr(rsipo, "rollout_episodes", lambda *a, **k: hints.append(k.get("hints")) or real(*a, **k))
+    none = rsipo.hinted_rerolls(tiny_policy, pool, played, seeds, None, SkillLibrary(":memory:"), sampling, gen, cfg, None, True, 0, buffer=[])
+    assert none.episodes == 0 and none.metrics["hatch/hinted_groups"] == 0 and hints == []  # no win yet: nothing to show, nothing re-rolled
+    win = _won(task, ["go east", "go east"], seed=99)
+    hinted = rsipo.hinted_rerolls(tiny_policy, pool, played, seeds, None, SkillLibrary(":memory:"), sampling, gen, cfg, None, True, 0, buffer=[win])
+    want = f"Actions that won a similar game ({task}): go east, go east"
+    assert hints == [[want, want]] and hinted.episodes == 4 and hinted.metrics["hatch/hinted_groups"] == 2
+
+
 @pytest.mark.parametrize("env", ["toy-digits", "toy-corridor"])
 def test_effect_rewards_in_the_recipe_play_the_related_games_and_count_them(tmp_path, monkeypatch, env):
     """skills.effect_games: every valid candidate is played on M of the step's other games with

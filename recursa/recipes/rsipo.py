@@ -132,6 +132,7 @@ from recursa.rewards import RewardSet, score_episodes, score_trajectories
 from recursa.recipes.grpo import Distillation, Imitation, UpdateStats, episode_rows, train_seeds, update, update_metrics
 from recursa.rollout import render_prompt, rollout, rollout_episodes, with_hint
 from recursa.skills import (
+    BM25Index,
     SkillLibrary,
     SkillWritingStats,
     contrastive_writing_prompt,
@@ -824,11 +825,37 @@ def oracle_hint(env, seed: int, multi_turn: bool, steps: int, limit: int) -> str
     return _clip(f"A correct answer: {ref}", limit) if ref else None
 
 
+def win_hints(tasks: list[str], buffer: list[Attempt], multi_turn: bool, limit: int) -> list[str | None]:
+    """hatch.hint = win: for each failed game's task line, what the policy itself did in the
+    winning attempt of the replay buffer whose task line reads most alike (BM25 over task
+    lines; among equal scores the most recent), clipped to `limit` characters; None where no
+    win shares a word with it. Unlike the walkthrough, a deployed agent has these: they are
+    its own earlier episodes (the same game's, when it once won it)."""
+    wins = [a for a in reversed(buffer) if a.success]  # newest first, so a tie goes to the most recent win
+    if not wins:
+        return [None] * len(tasks)
+    index = BM25Index().build([a.task for a in wins])
+    out: list[str | None] = []
+    for task in tasks:
+        top = index.top_k(task, 1)
+        if not top or top[0][1] <= 0:
+            out.append(None)
+            continue
+        a = wins[top[0][0]]
+        text = (f"Actions that won a similar game ({a.task}): {', '.join(a.texts)}" if multi_turn
+                else f"A reply that was right on a similar task ({a.task}): {a.texts[0] if a.texts else ''}")
+        out.append(_clip(text, limit))
+    return out
+
+
 def hatch_hints(policy: Policy, played: Played, groups: list[int], library: SkillLibrary, pool: EnvPool, cfg: RSIPOConfig, system: str | None,
-                gen: torch.Generator, multi_turn: bool) -> list[str | None]:
-    """The hint each all-fail group in `groups` is re-rolled with (None: no re-roll)."""
+                gen: torch.Generator, multi_turn: bool, buffer: list[Attempt] | None = None) -> list[str | None]:
+    """The hint each all-fail group in `groups` is re-rolled with (None: no re-roll);
+    `buffer`: the replay buffer, which hatch.hint = win reads."""
     hc, G = cfg.hatch, cfg.train.group_size
     firsts = [played.attempts[b * G] for b in groups]
+    if hc.hint == "win":
+        return win_hints([a.task for a in firsts], buffer or [], multi_turn, cfg.teacher.max_hint_chars)
     if hc.hint == "skill":
         found = retrieve_many(library, [skill_query(a.task, a.contexts[0].observation) for a in firsts], cfg.skills.retrieve_k, family=cfg.env.name,
                               method=cfg.skills.retrieval) if len(library) else [[] for _ in groups]
@@ -842,13 +869,14 @@ def hatch_hints(policy: Policy, played: Played, groups: list[int], library: Skil
 
 def hinted_rerolls(policy: Policy, pool: EnvPool, played: Played, seeds: list[int], shown: list[str | None] | None, library: SkillLibrary,
                    sampling: SamplingParams, gen: torch.Generator, cfg: RSIPOConfig, system: str | None, multi_turn: bool, step: int,
-                   reward_set: RewardSet | None = None) -> HintedStep:
+                   reward_set: RewardSet | None = None, buffer: list[Attempt] | None = None) -> HintedStep:
     """hatch: re-roll k attempts of each all-fail group with a hint, score their action tokens
     with and without it, and make rows under the un-hinted prompt with the advantage of
-    `recursa.algorithms.hinted` (step: 0 for the first step, for the annealing)."""
+    `recursa.algorithms.hinted` (step: 0 for the first step, for the annealing; buffer: the
+    replay buffer, for hatch.hint = win)."""
     hc, tok, G = cfg.hatch, policy.tokenizer, cfg.train.group_size
     groups = [b for b, failed in enumerate(all_failed(played.success).tolist()) if failed]
-    hints = hatch_hints(policy, played, groups, library, pool, cfg, system, gen, multi_turn) if groups else []
+    hints = hatch_hints(policy, played, groups, library, pool, cfg, system, gen, multi_turn, buffer) if groups else []
     chosen = [(b, h) for b, h in zip(groups, hints) if h is not None]
     coef = anneal(hc.coef, step, cfg.train.steps if hc.anneal_steps is None else hc.anneal_steps, hc.anneal)
     out = HintedStep(metrics={"hatch/groups": float(len(groups)), "hatch/hinted_groups": float(len(chosen)), "hatch/coef": coef})
@@ -1319,7 +1347,7 @@ def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress 
         times.append(time.perf_counter())
 
         # ---- all-fail groups: hinted re-rolls (hatch); all-win groups: stored successes (route)
-        hinted = hinted_rerolls(policy, pool, played, seeds, shown, library, sampling, gen, cfg, system, multi_turn, step, reward_set) if cfg.hatch.enabled else HintedStep()
+        hinted = hinted_rerolls(policy, pool, played, seeds, shown, library, sampling, gen, cfg, system, multi_turn, step, reward_set, list(buffer)) if cfg.hatch.enabled else HintedStep()
         wins = win_rows(policy, list(buffer), routes, cfg, system, gen)
         times.append(time.perf_counter())
 
