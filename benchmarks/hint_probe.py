@@ -1,0 +1,215 @@
+#!/usr/bin/env python
+"""Which hint lets the policy win a game it always loses? The ceiling of hinted re-rolls.
+
+RSIPO's `[hatch]` re-rolls every group whose G episodes all lost with a hint in the prompt,
+and trains on the re-rolls' tokens under the un-hinted prompt. A re-roll only carries signal
+when it wins (0/1 rewards, an all-fail group's mean is 0), and then only as much of it as the
+importance weight w_t = min(pi(a_t | no hint) / pi(a_t | hint), cap) lets through. This probe
+measures both on the warm start, without training. It plays G sampled episodes of each game
+(as RL would), takes the games where all G lost, and re-rolls each of them k times per hint:
+
+* `none`: no hint, k more sampled episodes (how often a lost game is won by chance);
+* `win`: `hatch.hint = "win"`, the actions of the policy's own most similar winning episode
+  (BM25 over task lines; the buffer is every episode this probe played before the re-rolls,
+  all task types together, as a training step's buffer holds recent steps);
+* `reflection`: `hatch.hint = "reflection"`, advice the policy writes on one failed episode;
+* `oracle_walkthrough`: the game's walkthrough (an ablation only: a deployed agent never has it).
+
+Per hint it reports the re-rolls won (Wilson 95% interval), the lost games won at least once,
+per task type, and over the winning re-rolls' action tokens the mean importance weight and
+the share truncated at the cap (what of a hinted win reaches the un-hinted policy).
+
+    python benchmarks/hint_probe.py                         # household from runs/household_sft_light
+    python benchmarks/hint_probe.py --games 4 --rerolls 4 --hints none,win
+
+Games come from the train split (what RL plays), the same seeds and re-roll generator seed for
+every hint. Writes benchmarks/results/hint_probe.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+TASKS = ["pick_and_place", "heat_then_place", "cool_then_place", "clean_then_place"]
+HINTS = ("none", "win", "reflection", "oracle_walkthrough")
+FIRST_SEED = 7_300_000  # train-split games, away from teacher_probe's and exploration_probe's
+
+
+def lost_games(successes: list[bool], group_size: int) -> list[int]:
+    """Indices of the groups (consecutive runs of `group_size` episodes) that won no episode."""
+    return [g for g in range(len(successes) // group_size) if not any(successes[g * group_size : (g + 1) * group_size])]
+
+
+def summarise(rerolls: list[dict], cap: float) -> dict:
+    """One hint's summary from its re-roll records ({task, seed, hinted, won, weights: the
+    importance weights of the episode's action tokens, untruncated}); re-rolls without a hint
+    (none found for their game) count as not played."""
+    from recursa.stats import wilson_interval
+
+    played = [r for r in rerolls if r["hinted"]]
+    won = [r for r in played if r["won"]]
+    weights = [w for r in won for w in r["weights"]]
+    games = {(r["task"], r["seed"]) for r in played}
+    won_games = {(r["task"], r["seed"]) for r in won}
+    by_task = {}
+    for task in dict.fromkeys(r["task"] for r in rerolls):
+        mine = [r for r in played if r["task"] == task]
+        by_task[task] = {"won": sum(r["won"] for r in mine), "played": len(mine)}
+    lo, hi = wilson_interval(len(won), len(played)) if played else (None, None)
+    return {
+        "rerolls": len(played), "won": len(won), "win_rate": len(won) / len(played) if played else None, "interval": [lo, hi],
+        "games": len(games), "games_won": len(won_games), "unhinted_games": len({(r["task"], r["seed"]) for r in rerolls} - games),
+        "by_task": by_task,
+        "weight_mean": sum(min(w, cap) for w in weights) / len(weights) if weights else None,
+        "truncated_frac": sum(w > cap for w in weights) / len(weights) if weights else None,
+    }
+
+
+def hints_for(kind: str, policy, cfg, attempts: list, lost: list[int], group_size: int, buffer: list, pool, system, gen) -> list[str | None]:
+    """The hint each lost game is re-rolled with under `kind` (None: not re-rolled)."""
+    from recursa.recipes.rsipo import oracle_hint, reflection_hints, win_hints
+
+    firsts = [attempts[g * group_size] for g in lost]
+    if kind == "none":
+        return [""] * len(lost)  # played without a hint; "" marks "re-roll" (the rollout shows no hint for a falsy one)
+    if kind == "win":
+        return win_hints([a.task for a in firsts], buffer, True, cfg.teacher.max_hint_chars)
+    if kind == "reflection":  # on the group's first failed episode (training draws one at random)
+        return reflection_hints(policy, firsts, cfg, system, gen)
+    env = pool.take(1)[0]
+    return [oracle_hint(env, a.seed, True, 0, cfg.teacher.max_hint_chars) for a in firsts]
+
+
+def probe(policy, cfg, pools: dict, seeds: dict, hints: list[str], group_size: int, rerolls: int, cap: float, log=print) -> tuple[dict, list[dict]]:
+    """Play every task type's games, then re-roll the lost ones under each hint.
+    Returns ({hint: summary}, per-game records)."""
+    import torch
+
+    from recursa.distributed.rollouts import LocalRollouts
+    from recursa.generation import SamplingParams
+    from recursa.recipes.rsipo import episode_attempts, score_actions, user_message
+    from recursa.rollout import render_prompt, system_prompt_of
+
+    sampling = SamplingParams(cfg.sampling.max_new_tokens, cfg.sampling.temperature, cfg.sampling.top_p, tuple(cfg.sampling.stop))
+    tok, G = policy.tokenizer, group_size
+    played, games = {}, []
+    for task, pool in pools.items():  # first pass: G episodes per game, no hint
+        system = system_prompt_of(pool.take(1)[0]) or cfg.model.system_prompt or None
+        ro = LocalRollouts(policy, pool).episodes(seeds[task], G, sampling, torch.Generator().manual_seed(0), system, cfg.agent)
+        attempts = episode_attempts(ro.episodes, 0, cfg.agent)
+        played[task] = (attempts, system)
+        wins = [a.success for a in attempts]
+        for g, seed in enumerate(seeds[task]):
+            games.append({"task": task, "seed": seed, "wins": sum(wins[g * G : (g + 1) * G]), "group_size": G})
+        log(f"{task:>17}: {sum(wins)}/{len(wins)} episodes won, {len(lost_games(wins, G))} of {len(seeds[task])} games lost every episode")
+    buffer = [a for attempts, _ in played.values() for a in attempts]
+    records: dict[str, list[dict]] = {h: [] for h in hints}
+    for task, pool in pools.items():
+        attempts, system = played[task]
+        lost = lost_games([a.success for a in attempts], G)
+        if not lost:
+            continue
+        for kind in hints:
+            gen = torch.Generator().manual_seed(1)  # the same draws for every hint
+            shown = hints_for(kind, policy, cfg, attempts, lost, G, buffer, pool, system, gen)
+            chosen = [(g, h) for g, h in zip(lost, shown) if h is not None]
+            for g, h in zip(lost, shown):
+                if h is None:
+                    records[kind] += [{"task": task, "seed": seeds[task][g], "hinted": False, "won": False, "weights": []}] * rerolls
+            if not chosen:
+                continue
+            ro = LocalRollouts(policy, pool).episodes([seeds[task][g] for g, _ in chosen], rerolls, sampling, gen, system, cfg.agent,
+                                                      hints=[h or None for _, h in chosen])
+            again = episode_attempts(ro.episodes, 0, cfg.agent)
+            jobs, where = [], []  # winning re-rolls of a real hint: each turn's actions under the un-hinted and the hinted prompt
+            for i, (e, a) in enumerate(zip(ro.episodes, again)):
+                if a.success and kind != "none":
+                    for turn, ctx in zip(e.turns, a.contexts):
+                        jobs += [(render_prompt(tok, user_message(ctx, cfg.agent), system), list(turn.action_ids)), (list(turn.prompt_ids), list(turn.action_ids))]
+                        where.append(i)
+            scored = score_actions(policy, jobs, cfg) if jobs else []
+            weights: dict[int, list[float]] = {}
+            for k, i in enumerate(where):
+                weights.setdefault(i, []).extend(torch.exp(scored[2 * k] - scored[2 * k + 1]).tolist())
+            for i, a in enumerate(again):
+                records[kind].append({"task": task, "seed": a.seed, "hinted": True, "won": a.success, "weights": weights.get(i, []),
+                                      "hint": chosen[i // rerolls][1] or None, "actions": a.texts})
+            log(f"{task:>17} {kind:>18}: {sum(a.success for a in again)}/{len(again)} re-rolls won")
+    return {h: {**summarise(records[h], cap), "records": records[h]} for h in hints}, games
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--warm-start", default="runs/household_sft_light", help="the SFT run whose last checkpoint is probed")
+    p.add_argument("--games", type=int, default=6, help="train-split games per task type")
+    p.add_argument("--group-size", type=int, default=8, help="G: episodes per game in the first pass")
+    p.add_argument("--rerolls", type=int, default=4, help="k: hinted episodes per lost game and hint")
+    p.add_argument("--hints", default=",".join(HINTS), help=f"comma-separated, from {', '.join(HINTS)}")
+    p.add_argument("--is-cap", type=float, default=2.0, help="hatch.is_cap: the importance weight's truncation")
+    p.add_argument("--tiny", action="store_true", help="the tiny random model (checks the script; its episodes rarely win)")
+    p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "hint_probe"))
+    args = p.parse_args(argv)
+    hints = [h for h in args.hints.split(",") if h]
+    bad = [h for h in hints if h not in HINTS]
+    if bad:
+        raise SystemExit(f"--hints: unknown {', '.join(bad)}; choose from {', '.join(HINTS)}")
+
+    import torch
+
+    from recursa.config import load_config
+    from recursa.envs import make_env
+    from recursa.envs.base import EnvPool, split_seed
+    from recursa.models import load_policy
+    from recursa.recipes.common import init_weights_dir
+
+    torch.manual_seed(0)
+    torch.set_num_threads(2)
+    sets = ["model.name=tiny-random"] if args.tiny else ["model.name=smollm2-135m-instruct", f'init.from_run="{args.warm_start}"']
+    sets += ['env.name="household"', "agent.history_turns=1", "sampling.temperature=1.0", f"sampling.max_new_tokens={5 if args.tiny else 12}",
+             "train.micro_batch_size=16", 'teacher.source="none"', "teacher.lam=0"]
+    cfg = load_config(None, sets, recipe="rsipo")  # skills.* as the recipe's defaults: the reflections are written with them
+    policy = load_policy(cfg.model, base_dir=None if args.tiny else init_weights_dir(cfg))
+    max_steps = 4 if args.tiny else 12
+    pools = {t: EnvPool(lambda t=t: make_env("household", rooms=1, objects_per_room=2, distractors=0, tasks=[t], max_steps=max_steps)) for t in TASKS}
+    seeds = {t: [split_seed("train", FIRST_SEED + 1000 * n + k) for k in range(args.games)] for n, t in enumerate(TASKS)}
+    t0 = time.perf_counter()
+    summary, games = probe(policy, cfg, pools, seeds, hints, args.group_size, args.rerolls, args.is_cap)
+    wall = round(time.perf_counter() - t0, 1)
+    record = {"warm_start": None if args.tiny else args.warm_start, "model": cfg.model.name, "games_per_task": args.games, "group_size": args.group_size,
+              "rerolls": args.rerolls, "is_cap": args.is_cap, "hints": summary, "games": games, "wall_s": wall, "torch": torch.__version__}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
+
+    def f(x, spec=".2f"):
+        return "-" if x is None else format(x, spec)
+
+    won = sum(g["wins"] for g in games)
+    lost = sum(g["wins"] == 0 for g in games)
+    lines = [f"# Which hint wins a game the policy always loses? household, from `{record['warm_start'] or cfg.model.name}`", "",
+             f"Command: `python benchmarks/hint_probe.py --games {args.games} --group-size {args.group_size} --rerolls {args.rerolls} --hints {args.hints}`; "
+             f"{args.games} train-split games per task type x {args.group_size} sampled episodes (T = 1), {won}/{args.group_size * len(games)} won; "
+             f"{lost} of {len(games)} games lost every episode, each re-rolled {args.rerolls} times per hint; {wall:.0f} s.", "",
+             "| hint | re-rolls won [Wilson 95%] | lost games won at least once | games with no hint | "
+             + " | ".join(TASKS) + f" | importance weight on winning tokens (cap {args.is_cap:g}) | share truncated |",
+             "|---|---|---:|---:|" + "---:|" * len(TASKS) + "---:|---:|"]
+    for h, e in summary.items():
+        lo, hi = e["interval"]
+        per = " | ".join(f"{e['by_task'].get(t, {}).get('won', 0)}/{e['by_task'].get(t, {}).get('played', 0)}" for t in TASKS)
+        lines.append(f"| {h} | {e['won']}/{e['rerolls']} = {f(e['win_rate'])} [{f(lo)}, {f(hi)}] | {e['games_won']}/{e['games']} | {e['unhinted_games']} "
+                     f"| {per} | {f(e['weight_mean'])} | {f(e['truncated_frac'])} |")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""benchmarks/hint_probe.py: the lost-game rule, its summary against hand values, and one run on
+the tiny model."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _probe():
+    spec = importlib.util.spec_from_file_location("hint_probe", REPO / "benchmarks" / "hint_probe.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_lost_games_are_the_groups_without_a_win():
+    hp = _probe()
+    assert hp.lost_games([False, False, True, False, False, False], 2) == [0, 2]
+    assert hp.lost_games([True, True], 2) == []
+
+
+def test_summary_of_hand_made_rerolls():
+    hp = _probe()
+    r = lambda task, seed, hinted, won, weights=(): {"task": task, "seed": seed, "hinted": hinted, "won": won, "weights": list(weights)}  # noqa: E731
+    rerolls = [
+        r("heat", 1, True, True, [0.5, 3.0]),  # a win: weights 0.5 and 3.0 (truncated to 2)
+        r("heat", 1, True, False, [9.0]),  # a loss: its weights do not count
+        r("heat", 2, True, True, [1.0]),
+        r("cool", 3, True, False),
+        r("cool", 4, False, False),  # no hint for this game: not played
+    ]
+    s = hp.summarise(rerolls, cap=2.0)
+    assert (s["rerolls"], s["won"], s["games"], s["games_won"], s["unhinted_games"]) == (4, 2, 3, 2, 1)
+    assert s["win_rate"] == 0.5 and s["by_task"] == {"heat": {"won": 2, "played": 3}, "cool": {"won": 0, "played": 1}}
+    assert s["weight_mean"] == pytest.approx((0.5 + 2.0 + 1.0) / 3) and s["truncated_frac"] == pytest.approx(1 / 3)
+    lo, hi = s["interval"]
+    assert lo < 0.5 < hi
+    empty = hp.summarise([r("cool", 4, False, False)], cap=2.0)
+    assert empty["win_rate"] is None and empty["weight_mean"] is None and empty["unhinted_games"] == 1
+
+
+def test_tiny_run_rerolls_every_lost_game_per_hint(tmp_path):
+    hp = _probe()
+    out = tmp_path / "probe"
+    assert hp.main(["--tiny", "--games", "1", "--group-size", "2", "--rerolls", "2", "--hints", "none,win,oracle_walkthrough", "--out", str(out)]) == 0
+    rec = json.loads(out.with_suffix(".json").read_text())
+    lost = sum(g["wins"] == 0 for g in rec["games"])
+    assert lost == 4  # the tiny random model loses every household game
+    h = rec["hints"]
+    assert h["none"]["rerolls"] == h["oracle_walkthrough"]["rerolls"] == 2 * lost  # every lost game, k times
+    assert h["win"]["rerolls"] == 0 and h["win"]["unhinted_games"] == lost  # no win to show
+    assert all(x["hint"].startswith("Actions that win this game") for x in h["oracle_walkthrough"]["records"])
+    assert "| oracle_walkthrough |" in out.with_suffix(".md").read_text()
