@@ -287,6 +287,21 @@ def warm_start_id(game: dict) -> str | None:
     return pin["config_sha"] if _weights_sha(game) == pin["weights_sha256"] else config_sha
 
 
+def pin_mismatch(game: dict) -> str | None:
+    """A one-line warning when the warm start at hand was trained by the pinned config but its
+    weights are not the pinned bytes (SFT on CPU is not always bit-exact from one sitting to the
+    next); None when they match or nothing is pinned. Committed results keep being reused then,
+    since their id is the config's, so the warning says which weights they came from."""
+    pin_path = game.get("pin")
+    if game["warm_start"] is None or pin_path is None or not pin_path.exists():
+        return None
+    pin, weights = json.loads(pin_path.read_text()), _weights_sha(game)
+    if weights is None or pin["config_sha"] != _config_sha(game) or weights == pin["weights_sha256"]:
+        return None
+    return (f"warning: {game['warm_start']} was trained by the pinned config but its weights (sha256 {weights[:12]}) are not the pinned "
+            f"ones ({pin['weights_sha256'][:12]}, {pin_path}); committed runs came from the pinned weights, new runs from these")
+
+
 def pin_warm_start(game: dict) -> None:
     """Write the pin (config hash, weights hash) the first time a game's warm start is used."""
     pin_path = game.get("pin")
@@ -1113,6 +1128,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         if not args.report:
             pin_warm_start(game)
+            if (warning := pin_mismatch(game)) is not None:
+                print(warning, file=sys.stderr)
     for game in games:
         steps = args.steps or game["steps"]
         B, G = setting_value(game, "train.prompts_per_step"), setting_value(game, "train.group_size")

@@ -995,8 +995,14 @@ def test_benchmark_pins_the_warm_start_by_its_weights(tmp_path):
     pin = json.loads(game["pin"].read_text())
     assert pin["config_sha"] == first and pin["weights_sha256"] == hashlib.sha256(b"model.safetensors" + b"weights").hexdigest()
     (ws / "config.toml").write_text('recipe = "sft"\n[log]\nreport_to = []\n')  # retrained: a newer config dump
-    assert bench.warm_start_id(game) == first
+    assert bench.warm_start_id(game) == first and bench.pin_mismatch(game) is None
+    (ws / "config.toml").write_text('recipe = "sft"\n')  # retrained by the same config into other bytes: kept, with a warning
     (ws / "checkpoints" / "step_000020" / "model.safetensors").write_bytes(b"other weights")
+    assert bench.warm_start_id(game) == first
+    warning = bench.pin_mismatch(game)
+    assert warning.startswith("warning: ") and "\n" not in warning and pin["weights_sha256"][:12] in warning
+    (ws / "config.toml").write_text('recipe = "sft"\n[log]\nreport_to = []\n')
+    assert bench.pin_mismatch(game) is None  # another config: a new id, nothing to warn about
     assert bench.warm_start_id(game) == hashlib.sha256(b'recipe = "sft"\n[log]\nreport_to = []\n').hexdigest()[:16]
     bench.pin_warm_start(game)  # an existing pin is never rewritten
     assert json.loads(game["pin"].read_text()) == pin
