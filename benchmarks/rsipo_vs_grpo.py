@@ -778,10 +778,10 @@ def interpolated_entries(name: str, seed: int, args, game: dict) -> list[tuple[s
 # what the recipe did in a run: step means of these metrics (non-finite steps skipped), and of
 # every metric under these prefixes
 DIAGNOSTICS = ("reward/mean", "episodes/sampled", "loss/distill")
-DIAGNOSTIC_PREFIXES = ("policy/", "teacher/", "anchor/", "trust/", "skills/", "route/", "hint/", "rollout/", "rloop/", "rft/", "curriculum/", "branch/")
+DIAGNOSTIC_PREFIXES = ("policy/", "teacher/", "anchor/", "trust/", "skills/", "route/", "hint/", "hatch/", "rollout/", "rloop/", "rft/", "curriculum/", "branch/")
 # the summary's table shows the diagnostics that start with one of these (the result files keep all)
 REPORTED_DIAGNOSTICS = ("teacher/share", "teacher/trust", "teacher/corr", "teacher/distill", "loss/distill", "skills/effect", "trust/mean",
-                        "skills/admitted", "skills/replay", "route/", "hint/", "episodes/", "reward/mean", "rollout/logprob", "anchor/nll",
+                        "skills/admitted", "skills/replay", "route/", "hint/", "hatch/episodes_total", "hatch/wins_total", "episodes/", "reward/mean", "rollout/logprob", "anchor/nll",
                         "policy/clip_frac", "policy/approx_kl_old", "policy/entropy")
 
 
@@ -795,6 +795,10 @@ def diagnostics(rows: list[dict], run_dir: Path) -> dict:
         values = [r[key] for r in rows if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool) and math.isfinite(r[key])]
         if values:
             out[key] = round(sum(values) / len(values), 6)
+    hatched = [r for r in rows if isinstance(r.get("hatch/episodes"), (int, float))]
+    if hatched:  # the hinted re-rolls over the whole run: a step mean of win_rate hides how many there were
+        out["hatch/episodes_total"] = sum(int(r["hatch/episodes"]) for r in hatched)
+        out["hatch/wins_total"] = sum(round(r["hatch/episodes"] * r.get("hatch/win_rate", 0.0)) for r in hatched)
     ledger = run_dir / "ledger.sqlite"
     if ledger.exists():
         con = sqlite3.connect(ledger)

@@ -1082,3 +1082,17 @@ def test_benchmark_summary_table_shows_the_update_diagnostics():
     header = next(line for line in text.splitlines() if line.startswith("| recipe | policy/clip_frac"))
     assert header.split(" | ")[1:] == ["policy/clip_frac", "reward/mean |"]  # policy/grad_norm is not reported
     assert "| grpo | 0.015 | - |" in text and "| grpo@old | - | 0.250 |" in text
+
+
+def test_benchmark_diagnostics_count_the_hinted_rerolls(tmp_path):
+    """The run's hinted re-rolls and their wins are totals over its steps (by hand: 4 + 8 + 0
+    re-rolls, 0 + 2 + 0 won), beside the step means of every hatch/ metric."""
+    bench = _bench()
+    rows = [{"step": 1, "hatch/episodes": 4.0, "hatch/win_rate": 0.0, "reward/mean": 0.25},
+            {"step": 2, "hatch/episodes": 8.0, "hatch/win_rate": 0.25, "reward/mean": 0.5},
+            {"step": 3, "reward/mean": 0.75},  # no all-failed group: nothing re-rolled
+            {"step": 4, "hatch/episodes": 0.0, "hatch/win_rate": 0.0}]
+    out = bench.diagnostics(rows, tmp_path)
+    assert out["hatch/episodes_total"] == 12 and out["hatch/wins_total"] == 2
+    assert out["hatch/win_rate"] == round(0.25 / 3, 6) and out["reward/mean"] == 0.5
+    assert "hatch/episodes_total" not in bench.diagnostics([{"step": 1, "reward/mean": 0.5}], tmp_path)
