@@ -170,7 +170,13 @@ TINY = {
     "eval_n": 8,
     "eval_every": 2,
 }
-GAMES = {"twx:twc": TWX_TWC, "household": HOUSEHOLD, "household_light": HOUSEHOLD_LIGHT}
+HOUSEHOLD_HINTED = {  # the light warm start's data, half its rows with a win hint (data.win_hints = 1): a policy that reads hints
+    **HOUSEHOLD,
+    "slug": "household_hinted",
+    "warm_start": "runs/household_sft_hinted",
+    "warm_start_cmd": "recursa train examples/household_sft_hinted.toml",
+}
+GAMES = {"twx:twc": TWX_TWC, "household": HOUSEHOLD, "household_light": HOUSEHOLD_LIGHT, "household_hinted": HOUSEHOLD_HINTED}
 
 
 def _toml_value(value) -> str:

@@ -145,7 +145,7 @@ def make_anchor(cfg, pool, tokenizer) -> tuple[Anchor | None, str]:
                 f"anchor: self-imitation of the run's own wins, at most {ac.n} per stratum, {ac.rows} rows a step at coef {ac.coef:g}")
     from recursa.demos import build_demos
 
-    data = SimpleNamespace(source=ac.source, n=ac.n, start=ac.start, path=None, prompt_key=None)
+    data = SimpleNamespace(source=ac.source, n=ac.n, start=ac.start, path=None, prompt_key=None, win_hints=0.0, hint_chars=600)
     view = SimpleNamespace(data=data, model=cfg.model, env=cfg.env, agent=cfg.agent, recipe="anchor")
     try:
         demos = build_demos(view, pool, tokenizer)

@@ -1188,11 +1188,17 @@ class DataConfig(DatasetConfig):
     n: int = Field(256, ge=0, description="training items to draw demonstrations from (walkthrough, reference, and dataset rows: at most the train rows)")
     start: int = Field(0, ge=0, description="index of the first training item (items start .. start + n - 1 of the train split)")
     path: str | None = Field(None, description="the dataset (source = 'jsonl' with prompt_key, 'parquet', 'hf'), or a JSONL file of {\"messages\": [...], \"seed\": optional} (source = 'jsonl' without prompt_key)")
+    win_hints: float = Field(0.0, ge=0, le=1, description="walkthrough: the share of won games whose rows are added again with a hint after "
+                             "the task line, the walkthrough of the most alike other game (BM25 over task lines), in the form of RSIPO's "
+                             "hatch.hint = 'win', so the policy learns to read such hints (recursa/demos.py)")
+    hint_chars: int = Field(600, gt=0, description="win_hints: the hint is clipped to this many characters (RSIPO's teacher.max_hint_chars)")
 
     @model_validator(mode="after")
     def _check(self) -> "DataConfig":
         if self.source == "jsonl" and not self.path:
             raise ValueError("data.source = 'jsonl' needs data.path, a JSONL file of chat transcripts (or of rows, with data.prompt_key)")
+        if self.win_hints > 0 and self.source not in ("walkthrough", "auto"):
+            raise ValueError(f"data.win_hints hints with other games' walkthroughs, which data.source = {self.source!r} has none of: use data.source = 'walkthrough' or drop win_hints")
         return self
 
 

@@ -9,6 +9,12 @@ A demonstration is a `Trajectory` (the same row type the RL recipes train on) wh
   what the policy will be asked. The target is the action's tokens followed by the
   end-of-turn token, which is where the sampler stops. A walkthrough that does not win
   is dropped and counted.
+  With data.win_hints = f > 0, a share f of the won games (spread evenly over them) give
+  their rows a second time with a hint after the task line: the walkthrough of the other
+  demonstration game whose task line reads most alike (BM25; `recursa.agent.win_hint`, the
+  form RSIPO's hatch.hint = 'win' re-rolls with). The hint is another game's plan, never
+  the game's own, so the rows teach the policy to carry a similar game's procedure over,
+  not to copy; a game with no alike other game (no shared word) gets no hinted copy.
 * reference -- single-turn tasks whose env offers `reference()`: the reference reply,
   kept only when the env scores it a success (some datasets' reference answers do not
   pass their own scorer) and counted otherwise.
@@ -32,10 +38,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from recursa.agent import AgentConfig, render_turn
+from recursa.agent import AgentConfig, render_turn, win_hint
 from recursa.envs.base import Env, EnvPool, split_of, split_seeds, system_prompt_of
 from recursa.errors import UserError
 from recursa.rollout import is_agent_env, render_prompt
+from recursa.skills.retrieval import BM25Index
 from recursa.trajectory import Trajectory
 
 
@@ -45,6 +52,7 @@ class DemoSet:
     source: str
     items: int = 0  # items (games, questions, transcripts) that gave demonstrations
     dropped: Counter = field(default_factory=Counter)  # reason -> items dropped
+    hinted: int = 0  # items whose rows were added again with a hint (data.win_hints)
 
     @property
     def target_tokens(self) -> int:
@@ -52,7 +60,8 @@ class DemoSet:
 
     def summary(self) -> str:
         why = ", ".join(f"{k}: {v}" for k, v in sorted(self.dropped.items())) or "none"
-        return f"{len(self.rows)} rows from {self.items} items ({self.source}), {self.target_tokens} target tokens; dropped: {why}"
+        hinted = f", {self.hinted} of them also with a hint" if self.hinted else ""
+        return f"{len(self.rows)} rows from {self.items} items ({self.source}{hinted}), {self.target_tokens} target tokens; dropped: {why}"
 
 
 def require_train_seeds(seeds: list[int], what: str) -> None:
@@ -88,14 +97,52 @@ def _row(env_name: str, seed: int, prompt: list[int], target: list[int], text: s
     )
 
 
-def walkthrough_demos(envs: EnvPool | Env, seeds: list[int], tokenizer, system_prompt: str | None, agent: AgentConfig) -> DemoSet:
-    """One row per turn of each seed's winning walkthrough (see the module docstring)."""
+@dataclass
+class _Played:
+    """One won walkthrough: its task line, actions, and what each turn was rendered from."""
+
+    seed: int
+    task: str
+    actions: list[str]
+    turns: list[tuple[str, list[str] | None, list[tuple[str, str]]]]  # (observation, admissible, history) per turn
+
+
+def hinted_games(n: int, share: float) -> list[int]:
+    """The indices of round(n x share) of n games, spread evenly: game i is chosen when
+    floor((i + 1) x share) > floor(i x share) (share 0.5: games 1, 3, 5, ...; 1: all)."""
+    return [i for i in range(n) if int((i + 1) * share + 1e-9) > int(i * share + 1e-9)]
+
+
+def alike_game(tasks: list[str], i: int) -> int | None:
+    """The index of the game other than i whose task line reads most like game i's (BM25
+    over the task lines; among equal scores the first), None when none shares a word."""
+    scores = BM25Index().build(tasks).scores(tasks[i])
+    best = max((j for j in range(len(tasks)) if j != i and scores[j] > 0), key=lambda j: (scores[j], -j), default=None)
+    return best
+
+
+def walkthrough_demos(envs: EnvPool | Env, seeds: list[int], tokenizer, system_prompt: str | None, agent: AgentConfig,
+                      win_hints: float = 0.0, hint_chars: int = 600) -> DemoSet:
+    """One row per turn of each seed's winning walkthrough, and with win_hints > 0 a hinted
+    copy of some games' rows (see the module docstring)."""
     require_train_seeds(seeds, "walkthrough demonstrations")
     env = envs if not isinstance(envs, EnvPool) else envs.take(1)[0]
     if not is_agent_env(env):
         raise UserError(f"{env.name} is a single-turn task: use data.source = 'reference' or 'jsonl'")
     eot = _end_of_turn(tokenizer)
+    system = system_prompt_of(env) or system_prompt
     out = DemoSet([], "walkthrough")
+    games: list[_Played] = []
+
+    def rows_of(game: _Played, hint: str | None) -> list[Trajectory]:
+        rows = []
+        for turn, ((obs, admissible, history), action) in enumerate(zip(game.turns, game.actions)):
+            prompt = render_prompt(tokenizer, render_turn(game.task, obs, admissible, history, agent, hint=hint), system)
+            target = tokenizer.encode(action, add_special_tokens=False) + [eot]
+            info = {"turn": turn, "action": action} if hint is None else {"turn": turn, "action": action, "hint": hint}
+            rows.append(_row(env.name, game.seed, prompt, target, action, obs, info))
+        return rows
+
     for seed in seeds:
         obs = env.reset(seed)
         plan = env.walkthrough()
@@ -104,11 +151,10 @@ def walkthrough_demos(envs: EnvPool | Env, seeds: list[int], tokenizer, system_p
             continue
         admissible = env.admissible_actions()
         history: list[tuple[str, str]] = []
-        rows, won = [], False
-        for turn, action in enumerate(plan):
-            prompt = render_prompt(tokenizer, render_turn(env.task, obs, admissible, history, agent), system_prompt_of(env) or system_prompt)
-            target = tokenizer.encode(action, add_special_tokens=False) + [eot]
-            rows.append(_row(env.name, seed, prompt, target, action, obs, {"turn": turn, "action": action}))
+        game, won = _Played(seed, env.task, [], []), False
+        for action in plan:
+            game.turns.append((obs, admissible, list(history)))
+            game.actions.append(action)
             result = env.step(action)
             history.append((obs, action))
             obs, admissible = result.obs, result.info.get("admissible", admissible)
@@ -118,8 +164,18 @@ def walkthrough_demos(envs: EnvPool | Env, seeds: list[int], tokenizer, system_p
         if not won:
             out.dropped["walkthrough does not win"] += 1
             continue
-        out.rows.extend(rows)
+        games.append(game)
+        out.rows.extend(rows_of(game, None))
         out.items += 1
+    if win_hints > 0:
+        tasks = [g.task for g in games]
+        for i in hinted_games(len(games), win_hints):
+            j = alike_game(tasks, i)
+            if j is None:
+                out.dropped["no alike game to hint with (rows kept without a hint)"] += 1
+                continue
+            out.rows.extend(rows_of(games[i], win_hint(games[j].task, games[j].actions, hint_chars)))
+            out.hinted += 1
     return out
 
 
@@ -228,7 +284,9 @@ def build_demos(cfg, envs: EnvPool, tokenizer) -> DemoSet:
         return reference_demos(envs, split_seeds("train", max(0, min(dc.n, num_train - dc.start)), dc.start), tokenizer, system_prompt)
     if source == "jsonl":
         return jsonl_demos(dc.path, tokenizer, system_prompt)
+    if dc.win_hints > 0 and source != "walkthrough":
+        raise UserError(f"data.win_hints hints with other games' walkthroughs, and {env.name} is a single-turn task: drop win_hints")
     seeds = split_seeds("train", dc.n, dc.start)
     if source == "walkthrough":
-        return walkthrough_demos(envs, seeds, tokenizer, system_prompt, cfg.agent)
+        return walkthrough_demos(envs, seeds, tokenizer, system_prompt, cfg.agent, dc.win_hints, dc.hint_chars)
     return reference_demos(envs, seeds, tokenizer, system_prompt)

@@ -143,3 +143,71 @@ def test_build_demos_auto_source(tiny_policy):
     assert build_demos(cfg, EnvPool(lambda: make_env("arithmetic")), tiny_policy.tokenizer).source == "reference"
     with pytest.raises(UserError, match="data.path"):
         load_config(None, ["recipe=sft", "data.source=jsonl"])
+
+
+def test_hinted_games_are_spread_evenly():
+    from recursa.demos import hinted_games
+
+    assert hinted_games(6, 0.5) == [1, 3, 5]
+    assert hinted_games(4, 1.0) == [0, 1, 2, 3]
+    assert hinted_games(5, 0.0) == []
+    assert hinted_games(3, 0.34) == [2]  # round(3 x 0.34) = 1 game
+    assert len(hinted_games(32, 0.25)) == 8
+
+
+def test_alike_game_is_another_game_sharing_words():
+    from recursa.demos import alike_game
+
+    tasks = ["put a hot apple on the table.", "put a cool apple in the fridge.", "put a hot apple on the table.", "zzz"]
+    assert alike_game(tasks, 0) == 2 and alike_game(tasks, 2) == 0  # the same task line, never the game itself
+    assert alike_game(tasks, 1) in (0, 2)
+    assert alike_game(tasks, 3) is None  # no other game shares a word
+    assert alike_game(["only one"], 0) is None
+
+
+def test_win_hinted_rows_show_another_games_walkthrough(tiny_policy):
+    from recursa.agent import win_hint
+    from recursa.demos import alike_game
+
+    tok, agent = tiny_policy.tokenizer, AgentConfig(history_turns=1)
+    kwargs = dict(rooms=1, objects_per_room=2, distractors=0, max_steps=12)
+    seeds = split_seeds("train", 6)
+    plain = walkthrough_demos(make_env("household", **kwargs), seeds, tok, None, agent)
+    demos = walkthrough_demos(make_env("household", **kwargs), seeds, tok, None, agent, win_hints=0.5, hint_chars=600)
+    assert demos.items == plain.items == 6 and demos.hinted == 3  # games 1, 3, 5
+    assert demos.rows[: len(plain.rows)] == plain.rows  # the bare rows come first, unchanged
+    extra = demos.rows[len(plain.rows) :]
+    assert {r.seed for r in extra} == {seeds[1], seeds[3], seeds[5]}
+    env = make_env("household", **kwargs)
+    tasks, plans = [], []
+    for s in seeds:
+        env.reset(s)
+        tasks.append(env.task)
+        plans.append(env.walkthrough())
+    for i in (1, 3, 5):
+        j = alike_game(tasks, i)
+        assert j is not None and j != i
+        hint = win_hint(tasks[j], plans[j], 600)
+        assert hint.startswith(f"Actions that won a similar game ({tasks[j]}): {plans[j][0]}, ")
+        rows = [r for r in extra if r.seed == seeds[i]]
+        bare = [r for r in plain.rows if r.seed == seeds[i]]
+        assert len(rows) == len(bare) == len(plans[i])
+        obs, history = env.reset(seeds[i]), []
+        for row, base, action in zip(rows, bare, plans[i]):
+            prompt = render_prompt(tok, render_turn(env.task, obs, env.admissible_actions(), history, agent, hint=hint), None)
+            assert row.token_ids[: len(prompt)] == prompt and not any(row.action_mask[: len(prompt)])
+            assert _targets(row, tok) == _targets(base, tok) == action + tok.eos_token
+            assert row.info["hint"] == hint
+            history.append((obs, action))
+            obs = env.step(action).obs
+    clipped = walkthrough_demos(make_env("household", **kwargs), seeds[:2], tok, None, agent, win_hints=1.0, hint_chars=40)
+    assert all(len(r.info["hint"]) == 40 and r.info["hint"].endswith("...") for r in clipped.rows if "hint" in r.info)
+    assert "also with a hint" in demos.summary()
+
+
+def test_win_hints_need_walkthroughs(tiny_policy):
+    with pytest.raises(UserError, match="win_hints"):
+        load_config(None, ["recipe=sft", "data.source=reference", "data.win_hints=0.5"])
+    cfg = load_config(None, ["recipe=sft", "model.name=tiny-random", "env.name=arithmetic", "data.n=3", "data.win_hints=0.5"])
+    with pytest.raises(UserError, match="single-turn"):
+        build_demos(cfg, EnvPool(lambda: make_env("arithmetic")), tiny_policy.tokenizer)

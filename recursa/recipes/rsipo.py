@@ -99,7 +99,7 @@ from typing import Callable
 
 import torch
 
-from recursa.agent import AgentConfig, render_turn
+from recursa.agent import AgentConfig, render_turn, win_hint
 from recursa.algorithms.advantages import compute_advantages
 from recursa.algorithms.distill import (
     correlation,
@@ -842,9 +842,8 @@ def win_hints(tasks: list[str], buffer: list[Attempt], multi_turn: bool, limit: 
             out.append(None)
             continue
         a = wins[top[0][0]]
-        text = (f"Actions that won a similar game ({a.task}): {', '.join(a.texts)}" if multi_turn
-                else f"A reply that was right on a similar task ({a.task}): {a.texts[0] if a.texts else ''}")
-        out.append(_clip(text, limit))
+        out.append(win_hint(a.task, a.texts, limit) if multi_turn
+                   else _clip(f"A reply that was right on a similar task ({a.task}): {a.texts[0] if a.texts else ''}", limit))
     return out
 
 
