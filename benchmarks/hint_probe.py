@@ -13,6 +13,10 @@ measures both on the warm start, without training. It plays G sampled episodes o
   (BM25 over task lines; the buffer is every episode this probe played before the re-rolls,
   all task types together, as a training step's buffer holds recent steps);
 * `reflection`: `hatch.hint = "reflection"`, advice the policy writes on one failed episode;
+* `alike_walkthrough`: the walkthrough of the most alike of 32 other training games (BM25
+  over task lines; the games `examples/household_sft_light.toml` learns from), in the form of
+  `win` -- what `data.win_hints` teaches a warm start to read (a deployed agent could carry
+  such a library of demonstrations);
 * `oracle_walkthrough`: the game's walkthrough (an ablation only: a deployed agent never has it).
 
 Per hint it reports the re-rolls won (Wilson 95% interval), the lost games won at least once,
@@ -39,7 +43,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 TASKS = ["pick_and_place", "heat_then_place", "cool_then_place", "clean_then_place"]
-HINTS = ("none", "win", "reflection", "oracle_walkthrough")
+HINTS = ("none", "win", "reflection", "alike_walkthrough", "oracle_walkthrough")
+LIBRARY_GAMES = 32  # alike_walkthrough: train seeds 0..31, the light and hinted warm starts' demonstration games
 FIRST_SEED = 7_300_000  # train-split games, away from teacher_probe's and exploration_probe's
 
 
@@ -84,8 +89,30 @@ def hints_for(kind: str, policy, cfg, attempts: list, lost: list[int], group_siz
         return win_hints([a.task for a in firsts], buffer, True, cfg.teacher.max_hint_chars)
     if kind == "reflection":  # on the group's first failed episode (training draws one at random)
         return reflection_hints(policy, firsts, cfg, system, gen)
+    if kind == "alike_walkthrough":
+        return alike_walkthroughs([a.task for a in firsts], pool.take(1)[0].__class__, cfg.teacher.max_hint_chars)
     env = pool.take(1)[0]
     return [oracle_hint(env, a.seed, True, 0, cfg.teacher.max_hint_chars) for a in firsts]
+
+
+def alike_walkthroughs(tasks: list[str], env_cls, limit: int) -> list[str | None]:
+    """For each task line, the walkthrough of the most alike of the LIBRARY_GAMES training
+    games of all four task types (BM25 over task lines, ties to the first), as a win hint."""
+    from recursa.agent import win_hint
+    from recursa.envs.base import split_seeds
+    from recursa.skills.retrieval import BM25Index
+
+    env = env_cls(rooms=1, objects_per_room=2, distractors=0, tasks=TASKS, max_steps=12)
+    library = []
+    for seed in split_seeds("train", LIBRARY_GAMES):
+        env.reset(seed)
+        library.append((env.task, env.walkthrough()))
+    index = BM25Index().build([t for t, _ in library])
+    out: list[str | None] = []
+    for task in tasks:
+        top = index.top_k(task, 1)
+        out.append(win_hint(*library[top[0][0]], limit) if top else None)
+    return out
 
 
 def probe(policy, cfg, pools: dict, seeds: dict, hints: list[str], group_size: int, rerolls: int, cap: float, log=print) -> tuple[dict, list[dict]]:

@@ -48,7 +48,7 @@ def test_summary_of_hand_made_rerolls():
 def test_tiny_run_rerolls_every_lost_game_per_hint(tmp_path):
     hp = _probe()
     out = tmp_path / "probe"
-    assert hp.main(["--tiny", "--games", "1", "--group-size", "2", "--rerolls", "2", "--hints", "none,win,oracle_walkthrough", "--out", str(out)]) == 0
+    assert hp.main(["--tiny", "--games", "1", "--group-size", "2", "--rerolls", "2", "--hints", "none,win,alike_walkthrough,oracle_walkthrough", "--out", str(out)]) == 0
     rec = json.loads(out.with_suffix(".json").read_text())
     lost = sum(g["wins"] == 0 for g in rec["games"])
     assert lost == 4  # the tiny random model loses every household game
@@ -56,4 +56,20 @@ def test_tiny_run_rerolls_every_lost_game_per_hint(tmp_path):
     assert h["none"]["rerolls"] == h["oracle_walkthrough"]["rerolls"] == 2 * lost  # every lost game, k times
     assert h["win"]["rerolls"] == 0 and h["win"]["unhinted_games"] == lost  # no win to show
     assert all(x["hint"].startswith("Actions that win this game") for x in h["oracle_walkthrough"]["records"])
+    assert h["alike_walkthrough"]["rerolls"] == 2 * lost and all(x["hint"].startswith("Actions that won a similar game") for x in h["alike_walkthrough"]["records"])
     assert "| oracle_walkthrough |" in out.with_suffix(".md").read_text()
+
+
+def test_alike_walkthrough_is_the_library_game_that_reads_most_alike():
+    from recursa.agent import win_hint
+    from recursa.envs.base import split_seeds
+    from recursa.envs.household import HouseholdEnv
+
+    hp = _probe()
+    env = HouseholdEnv(rooms=1, objects_per_room=2, distractors=0, tasks=hp.TASKS, max_steps=12)
+    env.reset(split_seeds("train", hp.LIBRARY_GAMES)[2])
+    task = env.task
+    first = next(s for s in split_seeds("train", hp.LIBRARY_GAMES) if (env.reset(s), env.task)[1] == task)  # the first game with this task line
+    env.reset(first)
+    hint, none = hp.alike_walkthroughs([task, "zzz qqq"], HouseholdEnv, 600)
+    assert hint == win_hint(task, env.walkthrough(), 600) and none is None
