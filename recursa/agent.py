@@ -56,14 +56,19 @@ def _clip(text: str, limit: int) -> str:
     return text if len(text) <= limit else "..." + text[-limit:]
 
 
+def clip_hint(text: str, limit: int) -> str:
+    """A hint's text with its whitespace collapsed, cut to `limit` characters ending in '...'."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def win_hint(task: str, actions: list[str], limit: int) -> str:
     """The hint that shows a won game's actions: "Actions that won a similar game (<its task
     line>): a1, a2, ...", whitespace collapsed, clipped to `limit` characters. RSIPO's
     hatch.hint = 'win' re-rolls with it (the policy's own wins) and SFT's data.win_hints
     teaches the policy to read it (other demonstration games' walkthroughs), so both show
     the policy the same form."""
-    text = " ".join(f"Actions that won a similar game ({task}): {', '.join(actions)}".split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    return clip_hint(f"Actions that won a similar game ({task}): {', '.join(actions)}", limit)
 
 
 def render_turn(

@@ -143,9 +143,10 @@ def make_anchor(cfg, pool, tokenizer) -> tuple[Anchor | None, str]:
     if ac.source == "successes":
         return (Anchor([], ac.coef, ac.rows, cfg.train.seed, tokenizer.pad_token_id, keys=[], capacity=ac.n),
                 f"anchor: self-imitation of the run's own wins, at most {ac.n} per stratum, {ac.rows} rows a step at coef {ac.coef:g}")
+    from recursa.config import DataConfig
     from recursa.demos import build_demos
 
-    data = SimpleNamespace(source=ac.source, n=ac.n, start=ac.start, path=None, prompt_key=None, win_hints=0.0, hint_chars=600)
+    data = DataConfig(source=ac.source, n=ac.n, start=ac.start)  # every other data option at its default
     view = SimpleNamespace(data=data, model=cfg.model, env=cfg.env, agent=cfg.agent, recipe="anchor")
     try:
         demos = build_demos(view, pool, tokenizer)

@@ -113,12 +113,12 @@ def hinted_games(n: int, share: float) -> list[int]:
     return [i for i in range(n) if int((i + 1) * share + 1e-9) > int(i * share + 1e-9)]
 
 
-def alike_game(tasks: list[str], i: int) -> int | None:
+def alike_game(tasks: list[str], i: int, index: BM25Index | None = None) -> int | None:
     """The index of the game other than i whose task line reads most like game i's (BM25
-    over the task lines; among equal scores the first), None when none shares a word."""
-    scores = BM25Index().build(tasks).scores(tasks[i])
-    best = max((j for j in range(len(tasks)) if j != i and scores[j] > 0), key=lambda j: (scores[j], -j), default=None)
-    return best
+    over the task lines; among equal scores the first), None when none shares a word.
+    `index`: BM25Index().build(tasks), when the caller asks for several games."""
+    scores = (index or BM25Index().build(tasks)).scores(tasks[i])
+    return max((j for j in range(len(tasks)) if j != i and scores[j] > 0), key=lambda j: (scores[j], -j), default=None)
 
 
 def walkthrough_demos(envs: EnvPool | Env, seeds: list[int], tokenizer, system_prompt: str | None, agent: AgentConfig,
@@ -169,8 +169,9 @@ def walkthrough_demos(envs: EnvPool | Env, seeds: list[int], tokenizer, system_p
         out.items += 1
     if win_hints > 0:
         tasks = [g.task for g in games]
+        index = BM25Index().build(tasks)
         for i in hinted_games(len(games), win_hints):
-            j = alike_game(tasks, i)
+            j = alike_game(tasks, i, index)
             if j is None:
                 out.dropped["no alike game to hint with (rows kept without a hint)"] += 1
                 continue

@@ -99,7 +99,7 @@ from typing import Callable
 
 import torch
 
-from recursa.agent import AgentConfig, render_turn, win_hint
+from recursa.agent import AgentConfig, clip_hint as _clip, render_turn, win_hint
 from recursa.algorithms.advantages import compute_advantages
 from recursa.algorithms.distill import (
     correlation,
@@ -312,11 +312,6 @@ def skill_hint(texts: list[str]) -> str:
     if len(texts) == 1:
         return f"Useful skill from earlier attempts: {texts[0]}"
     return "Useful skills from earlier attempts:\n" + "\n".join(f"- {t}" for t in texts)
-
-
-def _clip(text: str, limit: int) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def alternate(candidates: list[int], success: list[bool], n: int, gen: torch.Generator) -> list[int]:
