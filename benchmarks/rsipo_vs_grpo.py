@@ -60,6 +60,7 @@ its committed file stays, and the new file says whether the retrained run won th
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import math
@@ -258,18 +259,31 @@ def _config_sha(game: dict) -> str | None:
 
 
 def _weights_sha(game: dict) -> str | None:
-    """sha256 of the warm start's last checkpoint's weight files (names and bytes)."""
+    """sha256 of the warm start's last checkpoint's weight files (names and bytes). Hashed once
+    per process while the files' sizes and modification times stay the same."""
     ckpts = sorted((REPO / game["warm_start"] / "checkpoints").glob("step_*"))
     files = sorted(ckpts[-1].glob("*.safetensors")) if ckpts else []
     if not files:
         return None
+    return _hash_files(tuple((str(f), f.stat().st_mtime_ns, f.stat().st_size) for f in files))
+
+
+@functools.lru_cache(maxsize=16)
+def _hash_files(files: tuple[tuple[str, int, int], ...]) -> str:
     h = hashlib.sha256()
-    for f in files:
+    for path, _, _ in files:
+        f = Path(path)
         h.update(f.name.encode())
         with f.open("rb") as fh:
             for block in iter(lambda: fh.read(1 << 24), b""):
                 h.update(block)
     return h.hexdigest()
+
+
+def _read_pin(game: dict) -> dict | None:
+    """The game's warm_start_pin.json, or None when it has none yet."""
+    pin_path = game.get("pin")
+    return json.loads(pin_path.read_text()) if pin_path is not None and pin_path.exists() else None
 
 
 def warm_start_id(game: dict) -> str | None:
@@ -281,11 +295,9 @@ def warm_start_id(game: dict) -> str | None:
     `--report` after its run directory is gone) is the pinned one."""
     if game["warm_start"] is None:
         return None
-    config_sha = _config_sha(game)
-    pin_path = game.get("pin")
-    if pin_path is None or not pin_path.exists():
+    config_sha, pin = _config_sha(game), _read_pin(game)
+    if pin is None:
         return config_sha
-    pin = json.loads(pin_path.read_text())
     if config_sha is None:
         return pin["config_sha"]
     if pin["config_sha"] == config_sha:
@@ -298,14 +310,14 @@ def pin_mismatch(game: dict) -> str | None:
     weights are not the pinned bytes (SFT on CPU is not always bit-exact from one sitting to the
     next); None when they match or nothing is pinned. Committed results keep being reused then,
     since their id is the config's, so the warning says which weights they came from."""
-    pin_path = game.get("pin")
-    if game["warm_start"] is None or pin_path is None or not pin_path.exists():
+    pin = _read_pin(game)
+    if game["warm_start"] is None or pin is None:
         return None
-    pin, weights = json.loads(pin_path.read_text()), _weights_sha(game)
+    weights = _weights_sha(game)
     if weights is None or pin["config_sha"] != _config_sha(game) or weights == pin["weights_sha256"]:
         return None
     return (f"warning: {game['warm_start']} was trained by the pinned config but its weights (sha256 {weights[:12]}) are not the pinned "
-            f"ones ({pin['weights_sha256'][:12]}, {pin_path}); committed runs came from the pinned weights, new runs from these")
+            f"ones ({pin['weights_sha256'][:12]}, {game['pin']}); committed runs came from the pinned weights, new runs from these")
 
 
 def pin_warm_start(game: dict) -> None:
