@@ -816,7 +816,9 @@ def diagnostics(rows: list[dict], run_dir: Path) -> dict:
     hatched = [r for r in rows if isinstance(r.get("hatch/episodes"), (int, float))]
     if hatched:  # the hinted re-rolls over the whole run: a step mean of win_rate hides how many there were
         out["hatch/episodes_total"] = sum(int(r["hatch/episodes"]) for r in hatched)
-        out["hatch/wins_total"] = sum(round(r["hatch/episodes"] * r.get("hatch/win_rate", 0.0)) for r in hatched)
+        # hatch/wins where logged; logs written before it existed give it as episodes x win rate
+        out["hatch/wins_total"] = sum(int(r["hatch/wins"]) if isinstance(r.get("hatch/wins"), (int, float))
+                                      else round(r["hatch/episodes"] * r.get("hatch/win_rate", 0.0)) for r in hatched)
     ledger = run_dir / "ledger.sqlite"
     if ledger.exists():
         con = sqlite3.connect(ledger)

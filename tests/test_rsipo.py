@@ -453,6 +453,8 @@ def test_example_configs_run_one_step(tmp_path, path):
     assert ("teacher/critical_matched_frac" in row) == (name in ("opid_critical", "signals", "signals_wins"))
     # B x G, plus the hinted re-rolls and the episodes that try candidate skills
     assert row["episodes/sampled"] == cfg.train.prompts_per_step * 2 + row.get("hatch/episodes", 0) + row.get("skills/effect_episodes", 0)
+    if row.get("hatch/episodes"):
+        assert row["hatch/wins"] == round(row["hatch/win_rate"] * row["hatch/episodes"]) and row["hatch/wins"].is_integer()
     assert ("skills/effect_episodes" in row) == (name == "effect")
 
 
@@ -1096,3 +1098,5 @@ def test_benchmark_diagnostics_count_the_hinted_rerolls(tmp_path):
     assert out["hatch/episodes_total"] == 12 and out["hatch/wins_total"] == 2
     assert out["hatch/win_rate"] == round(0.25 / 3, 6) and out["reward/mean"] == 0.5
     assert "hatch/episodes_total" not in bench.diagnostics([{"step": 1, "reward/mean": 0.5}], tmp_path)
+    counted = [{"step": 1, "hatch/episodes": 3.0, "hatch/wins": 1.0, "hatch/win_rate": 1 / 3}]  # logged count, not a rounded product
+    assert bench.diagnostics(counted + rows[1:2], tmp_path)["hatch/wins_total"] == 3

@@ -919,6 +919,7 @@ def hinted_rerolls(policy: Policy, pool: EnvPool, played: Played, seeds: list[in
     out.episodes = len(attempts)
     out.metrics.update({
         "hatch/episodes": float(len(attempts)),
+        "hatch/wins": float(sum(a.success for a in attempts)),
         "hatch/win_rate": sum(a.success for a in attempts) / len(attempts),
         "hatch/reward_gain": sum(rewards[i] - float(baseline[chosen[i // k][0]]) for i in range(len(attempts))) / len(attempts),
         "hatch/is_weight_mean": weights[keep].mean().item() if keep.any() else float("nan"),
