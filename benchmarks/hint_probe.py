@@ -21,10 +21,14 @@ measures both on the warm start, without training. It plays G sampled episodes o
 
 Per hint it reports the re-rolls won (Wilson 95% interval), the lost games won at least once,
 per task type, and over the winning re-rolls' action tokens the mean importance weight and
-the share truncated at the cap (what of a hinted win reaches the un-hinted policy).
+the share truncated at the cap (what of a hinted win reaches the un-hinted policy). Each lost
+re-roll gets a failure mode (`failure_mode`): it took nothing, took another object than the
+task's, put the object down before the step the task needs (heat / cool / clean), did
+another step, or something else.
 
     python benchmarks/hint_probe.py                         # household from runs/household_sft_light
     python benchmarks/hint_probe.py --games 4 --rerolls 4 --hints none,win
+    python benchmarks/hint_probe.py --from-json benchmarks/results/hint_probe.json   # rebuild the .md only
 
 Games come from the train split (what RL plays), the same seeds and re-roll generator seed for
 every hint. Writes benchmarks/results/hint_probe.{json,md}.
@@ -76,6 +80,50 @@ def summarise(rerolls: list[dict], cap: float) -> dict:
         "weight_mean": sum(min(w, cap) for w in weights) / len(weights) if weights else None,
         "truncated_frac": sum(w > cap for w in weights) / len(weights) if weights else None,
     }
+
+
+FAILURES = ("took nothing", "took another object", "placed it before the step", "did the wrong step", "other")
+STEP_OF = {"hot": "heat", "cool": "cool", "clean": "clean"}  # the task line's adjective -> the action it needs
+
+
+def failure_mode(task_line: str, actions: list[str]) -> str:
+    """Why a lost household episode lost, read from its task line ("put a hot apple on the
+    countertop.") and its actions, first match wins: it never took an object; the first object
+    it took is not the task's; after taking it, it put it down before the step the task needs
+    (heat / cool / clean); its first step on it was another one (cooled a hot task's apple);
+    anything else (took it and did the step, then ran out of turns or looped) is "other"."""
+    import re
+
+    m = re.search(r"put (?:a|an|some) (?:(hot|cool|clean) )?(\w+) (?:in|on) ", task_line)
+    if m is None:
+        return "other"
+    need, goal = STEP_OF.get(m.group(1) or ""), m.group(2)
+    taken = [i for i, a in enumerate(actions) if a.startswith("take ")]
+    if not taken:
+        return "took nothing"
+    if actions[taken[0]].split()[1:2] != [goal]:
+        return "took another object"
+    if need is None:
+        return "other"
+    for a in actions[taken[0] + 1:]:
+        words = a.split()
+        if words[:1] == ["put"] and words[1:2] == [goal]:
+            return "placed it before the step"
+        if words[:1] and words[0] in STEP_OF.values() and words[1:2] == [goal]:
+            return "other" if words[0] == need else "did the wrong step"
+    return "other"
+
+
+def failure_modes(records: list[dict], task_line) -> dict[str, dict[str, int]]:
+    """{task type: {failure: lost re-rolls}} over the hinted re-rolls that lost; `task_line(task,
+    seed)` gives a game's task line."""
+    out: dict[str, dict[str, int]] = {}
+    for r in records:
+        if r["hinted"] and not r["won"] and r.get("actions") is not None:
+            mode = failure_mode(task_line(r["task"], r["seed"]), r["actions"])
+            row = out.setdefault(r["task"], dict.fromkeys(FAILURES, 0))
+            row[mode] += 1
+    return out
 
 
 def hints_for(kind: str, policy, cfg, attempts: list, lost: list[int], group_size: int, buffer: list, pool, system, gen) -> list[str | None]:
@@ -173,6 +221,49 @@ def probe(policy, cfg, pools: dict, seeds: dict, hints: list[str], group_size: i
     return {h: {**summarise(records[h], cap), "records": records[h]} for h in hints}, games
 
 
+def household_task_line(task: str, seed: int) -> str:
+    """The task line of a probe game (the environment the probe plays)."""
+    from recursa.envs import make_env
+
+    env = make_env("household", rooms=1, objects_per_room=2, distractors=0, tasks=[task], max_steps=12)
+    env.reset(seed)
+    return env.task
+
+
+def report(record: dict) -> list[str]:
+    """The markdown report's lines, from a probe's JSON record."""
+    def f(x, spec=".2f"):
+        return "-" if x is None else format(x, spec)
+
+    games, hints, cap = record["games"], list(record["hints"]), record["is_cap"]
+    won = sum(g["wins"] for g in games)
+    lost = sum(g["wins"] == 0 for g in games)
+    lines = [f"# Which hint wins a game the policy always loses? household, from `{record['warm_start'] or record['model']}`", "",
+             f"Command: `python benchmarks/hint_probe.py{' --warm-start ' + record['warm_start'] if record['warm_start'] else ' --tiny'} "
+             f"--games {record['games_per_task']} --group-size {record['group_size']} --rerolls {record['rerolls']} --hints {','.join(hints)}`; "
+             f"{record['games_per_task']} train-split games per task type x {record['group_size']} sampled episodes (T = 1), {won}/{record['group_size'] * len(games)} won; "
+             f"{lost} of {len(games)} games lost every episode, each re-rolled {record['rerolls']} times per hint; {record['wall_s']:.0f} s.", "",
+             "| hint | re-rolls won [Wilson 95%] | lost games won at least once | games with no hint | "
+             + " | ".join(TASKS) + f" | importance weight on winning tokens (cap {cap:g}) | share truncated |",
+             "|---|---|---:|---:|" + "---:|" * len(TASKS) + "---:|---:|"]
+    for h, e in record["hints"].items():
+        lo, hi = e["interval"]
+        per = " | ".join(f"{e['by_task'].get(t, {}).get('won', 0)}/{e['by_task'].get(t, {}).get('played', 0)}" for t in TASKS)
+        lines.append(f"| {h} | {e['won']}/{e['rerolls']} = {f(e['win_rate'])} [{f(lo)}, {f(hi)}] | {e['games_won']}/{e['games']} | {e['unhinted_games']} "
+                     f"| {per} | {f(e['weight_mean'])} | {f(e['truncated_frac'])} |")
+    modes = {h: failure_modes(e.get("records", []), household_task_line) for h, e in record["hints"].items()}
+    if any(modes.values()):
+        lines += ["", "Why the lost re-rolls lost (`failure_mode`: the first object taken, then the first thing done with it):", "",
+                  "| | lost re-rolls | " + " | ".join(FAILURES) + " |", "|---|---:|" + "---:|" * len(FAILURES)]
+        rows = [(f"hint `{h}`", {m: sum(t[m] for t in by.values()) for m in FAILURES}) for h, by in modes.items()]
+        rows += [(task, {m: sum(by.get(task, {}).get(m, 0) for by in modes.values()) for m in FAILURES}) for task in TASKS]
+        for name, counts in rows:
+            lines.append(f"| {name} | {sum(counts.values())} | " + " | ".join(str(counts[m]) for m in FAILURES) + " |")
+        lines.append("")
+        lines.append("Task-type rows sum over the hints.")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--warm-start", default="runs/household_sft_light", help="the SFT run whose last checkpoint is probed")
@@ -183,7 +274,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--is-cap", type=float, default=2.0, help="hatch.is_cap: the importance weight's truncation")
     p.add_argument("--tiny", action="store_true", help="the tiny random model (checks the script; its episodes rarely win)")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "hint_probe"))
+    p.add_argument("--from-json", help="rebuild the .md next to this committed .json (no games played)")
     args = p.parse_args(argv)
+    if args.from_json:
+        src = Path(args.from_json)
+        lines = report(json.loads(src.read_text()))
+        src.with_suffix(".md").write_text("\n".join(lines) + "\n")
+        print("\n".join(lines))
+        return 0
     hints = [h for h in args.hints.split(",") if h]
     bad = [h for h in hints if h not in HINTS]
     if bad:
@@ -215,24 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
-
-    def f(x, spec=".2f"):
-        return "-" if x is None else format(x, spec)
-
-    won = sum(g["wins"] for g in games)
-    lost = sum(g["wins"] == 0 for g in games)
-    lines = [f"# Which hint wins a game the policy always loses? household, from `{record['warm_start'] or cfg.model.name}`", "",
-             f"Command: `python benchmarks/hint_probe.py --games {args.games} --group-size {args.group_size} --rerolls {args.rerolls} --hints {args.hints}`; "
-             f"{args.games} train-split games per task type x {args.group_size} sampled episodes (T = 1), {won}/{args.group_size * len(games)} won; "
-             f"{lost} of {len(games)} games lost every episode, each re-rolled {args.rerolls} times per hint; {wall:.0f} s.", "",
-             "| hint | re-rolls won [Wilson 95%] | lost games won at least once | games with no hint | "
-             + " | ".join(TASKS) + f" | importance weight on winning tokens (cap {args.is_cap:g}) | share truncated |",
-             "|---|---|---:|---:|" + "---:|" * len(TASKS) + "---:|---:|"]
-    for h, e in summary.items():
-        lo, hi = e["interval"]
-        per = " | ".join(f"{e['by_task'].get(t, {}).get('won', 0)}/{e['by_task'].get(t, {}).get('played', 0)}" for t in TASKS)
-        lines.append(f"| {h} | {e['won']}/{e['rerolls']} = {f(e['win_rate'])} [{f(lo)}, {f(hi)}] | {e['games_won']}/{e['games']} | {e['unhinted_games']} "
-                     f"| {per} | {f(e['weight_mean'])} | {f(e['truncated_frac'])} |")
+    lines = report(record)
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

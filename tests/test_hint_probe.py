@@ -57,7 +57,10 @@ def test_tiny_run_rerolls_every_lost_game_per_hint(tmp_path):
     assert h["win"]["rerolls"] == 0 and h["win"]["unhinted_games"] == lost  # no win to show
     assert all(x["hint"].startswith("Actions that win this game") for x in h["oracle_walkthrough"]["records"])
     assert h["alike_walkthrough"]["rerolls"] == 2 * lost and all(x["hint"].startswith("Actions that won a similar game") for x in h["alike_walkthrough"]["records"])
-    assert "| oracle_walkthrough |" in out.with_suffix(".md").read_text()
+    md = out.with_suffix(".md").read_text()
+    assert "| oracle_walkthrough |" in md and "| hint `none` | 8 |" in md  # every re-roll lost: each has a failure mode
+    out.with_suffix(".md").unlink()
+    assert hp.main(["--from-json", str(out.with_suffix(".json"))]) == 0 and out.with_suffix(".md").read_text() == md
 
 
 def test_alike_walkthrough_is_the_library_game_that_reads_most_alike():
@@ -73,3 +76,30 @@ def test_alike_walkthrough_is_the_library_game_that_reads_most_alike():
     env.reset(first)
     hint, none = hp.alike_walkthroughs([task, "zzz qqq"], HouseholdEnv, 600)
     assert hint == win_hint(task, env.walkthrough(), 600) and none is None
+
+
+def test_failure_mode_reads_the_task_line_and_the_actions():
+    hp = _probe()
+    hot = "Your task is to: put a hot apple on the countertop."
+    assert hp.failure_mode(hot, ["go to fridge 1", "open fridge 1"]) == "took nothing"
+    assert hp.failure_mode(hot, ["go to cabinet 1", "take knife 1 from cabinet 1", "take apple 1 from fridge 1"]) == "took another object"
+    assert hp.failure_mode(hot, ["take apple 1 from fridge 1", "go to countertop 1", "put apple 1 on countertop 1", "heat apple 1 with microwave 1"]) \
+        == "placed it before the step"
+    assert hp.failure_mode(hot, ["take apple 1 from fridge 1", "cool apple 1 with fridge 1", "put apple 1 on countertop 1"]) == "did the wrong step"
+    assert hp.failure_mode(hot, ["take apple 1 from fridge 1", "heat apple 1 with microwave 1", "go to cabinet 1"]) == "other"
+    assert hp.failure_mode(hot, ["take apple 1 from fridge 1", "go to countertop 1"]) == "other"  # ran out of turns
+    plain = "Your task is to: put a cloth in the cabinet."
+    assert hp.failure_mode(plain, ["take cloth 1 from countertop 1", "go to fridge 1"]) == "other"  # nothing to do to it first
+    assert hp.failure_mode(plain, ["take mug 1 from countertop 1"]) == "took another object"
+    assert hp.failure_mode("Look around.", ["take mug 1"]) == "other"  # not a household task line
+
+
+def test_failure_table_counts_lost_hinted_rerolls_only():
+    hp = _probe()
+    lines = {("heat_then_place", 1): "Your task is to: put a hot apple on the countertop."}
+    r = lambda hinted, won, actions: {"task": "heat_then_place", "seed": 1, "hinted": hinted, "won": won, "actions": actions}  # noqa: E731
+    records = [r(True, False, ["take knife 1 from cabinet 1"]), r(True, False, ["take knife 1 from cabinet 1"]),
+               r(True, False, []), r(True, True, ["take apple 1 from fridge 1"]),  # a win: not counted
+               {"task": "heat_then_place", "seed": 1, "hinted": False, "won": False, "weights": []}]  # no hint: not played
+    out = hp.failure_modes(records, lambda task, seed: lines[(task, seed)])
+    assert out == {"heat_then_place": {**dict.fromkeys(hp.FAILURES, 0), "took another object": 2, "took nothing": 1}}
