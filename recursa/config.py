@@ -1192,11 +1192,17 @@ class DataConfig(DatasetConfig):
                              "the task line, the walkthrough of the most alike other game (BM25 over task lines), in the form of RSIPO's "
                              "hatch.hint = 'win', so the policy learns to read such hints (recursa/demos.py)")
     hint_chars: int = Field(600, gt=0, description="win_hints: the hint is clipped to this many characters (RSIPO's teacher.max_hint_chars)")
+    walkthrough: Literal["shortest", "search"] = Field(
+        "shortest", description="walkthrough: which winning play is demonstrated. shortest: the game's walkthrough(), straight to the "
+        "object; search: its search_walkthrough() (household), which looks in one receptacle after another until it sees the object, so "
+        "the rows teach acting on what the observation shows")
 
     @model_validator(mode="after")
     def _check(self) -> "DataConfig":
         if self.source == "jsonl" and not self.path:
             raise ValueError("data.source = 'jsonl' needs data.path, a JSONL file of chat transcripts (or of rows, with data.prompt_key)")
+        if self.walkthrough != "shortest" and self.source not in ("walkthrough", "auto"):
+            raise ValueError(f"data.walkthrough = {self.walkthrough!r} picks a game's demonstrated play, and data.source = {self.source!r} plays none: use data.source = 'walkthrough' or drop data.walkthrough")
         if self.win_hints > 0 and self.source not in ("walkthrough", "auto"):
             raise ValueError(f"data.win_hints hints with other games' walkthroughs, which data.source = {self.source!r} has none of: use data.source = 'walkthrough' or drop win_hints")
         return self

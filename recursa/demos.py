@@ -15,6 +15,9 @@ A demonstration is a `Trajectory` (the same row type the RL recipes train on) wh
   form RSIPO's hatch.hint = 'win' re-rolls with). The hint is another game's plan, never
   the game's own, so the rows teach the policy to carry a similar game's procedure over,
   not to copy; a game with no alike other game (no shared word) gets no hinted copy.
+  With data.walkthrough = 'search' the play demonstrated is the env's search_walkthrough()
+  (household): it looks in one receptacle after another until it sees the object, so a
+  turn's right action depends on what its observation shows, not only on the task line.
 * reference -- single-turn tasks whose env offers `reference()`: the reference reply,
   kept only when the env scores it a success (some datasets' reference answers do not
   pass their own scorer) and counted otherwise.
@@ -122,13 +125,15 @@ def alike_game(tasks: list[str], i: int, index: BM25Index | None = None) -> int 
 
 
 def walkthrough_demos(envs: EnvPool | Env, seeds: list[int], tokenizer, system_prompt: str | None, agent: AgentConfig,
-                      win_hints: float = 0.0, hint_chars: int = 600) -> DemoSet:
+                      win_hints: float = 0.0, hint_chars: int = 600, search: bool = False) -> DemoSet:
     """One row per turn of each seed's winning walkthrough, and with win_hints > 0 a hinted
     copy of some games' rows (see the module docstring)."""
     require_train_seeds(seeds, "walkthrough demonstrations")
     env = envs if not isinstance(envs, EnvPool) else envs.take(1)[0]
     if not is_agent_env(env):
         raise UserError(f"{env.name} is a single-turn task: use data.source = 'reference' or 'jsonl'")
+    if search and not callable(getattr(env, "search_walkthrough", None)):
+        raise UserError(f"{env.name} has no searching walkthrough (search_walkthrough()): use data.walkthrough = 'shortest'")
     eot = _end_of_turn(tokenizer)
     system = system_prompt_of(env) or system_prompt
     out = DemoSet([], "walkthrough")
@@ -145,7 +150,7 @@ def walkthrough_demos(envs: EnvPool | Env, seeds: list[int], tokenizer, system_p
 
     for seed in seeds:
         obs = env.reset(seed)
-        plan = env.walkthrough()
+        plan = env.search_walkthrough() if search else env.walkthrough()
         if not plan:
             out.dropped["no walkthrough"] += 1
             continue
@@ -287,7 +292,9 @@ def build_demos(cfg, envs: EnvPool, tokenizer) -> DemoSet:
         return jsonl_demos(dc.path, tokenizer, system_prompt)
     if dc.win_hints > 0 and source != "walkthrough":
         raise UserError(f"data.win_hints hints with other games' walkthroughs, and {env.name} is a single-turn task: drop win_hints")
+    if dc.walkthrough != "shortest" and source != "walkthrough":
+        raise UserError(f"data.walkthrough = {dc.walkthrough!r} picks a game's demonstrated play, and {env.name} is a single-turn task: drop it")
     seeds = split_seeds("train", dc.n, dc.start)
     if source == "walkthrough":
-        return walkthrough_demos(envs, seeds, tokenizer, system_prompt, cfg.agent, dc.win_hints, dc.hint_chars)
+        return walkthrough_demos(envs, seeds, tokenizer, system_prompt, cfg.agent, dc.win_hints, dc.hint_chars, dc.walkthrough == "search")
     return reference_demos(envs, seeds, tokenizer, system_prompt)

@@ -10,6 +10,7 @@ from recursa.agent import AgentConfig, render_turn
 from recursa.config import load_config
 from recursa.demos import build_demos, jsonl_demos, reference_demos, require_train_seeds, transcript_row, walkthrough_demos
 from recursa.envs import EnvPool, make_env, split_seed, split_seeds
+from recursa.envs.household import HouseholdEnv
 from recursa.errors import UserError
 from recursa.rollout import render_prompt
 
@@ -211,3 +212,34 @@ def test_win_hints_need_walkthroughs(tiny_policy):
     cfg = load_config(None, ["recipe=sft", "model.name=tiny-random", "env.name=arithmetic", "data.n=3", "data.win_hints=0.5"])
     with pytest.raises(UserError, match="single-turn"):
         build_demos(cfg, EnvPool(lambda: make_env("arithmetic")), tiny_policy.tokenizer)
+
+
+def test_search_demos_demonstrate_the_searching_play(tiny_policy):
+    kwargs = {"rooms": 1, "objects_per_room": 2, "distractors": 0, "max_steps": 12}
+    seeds = split_seeds("train", 6)
+    agent = AgentConfig(history_turns=1)
+    tok = tiny_policy.tokenizer
+    demos = walkthrough_demos(make_env("household", **kwargs), seeds, tok, None, agent, search=True)
+    env = make_env("household", **kwargs)
+    plans = [(env.reset(s), env.search_walkthrough())[1] for s in seeds]
+    shortest = [(env.reset(s), env.walkthrough())[1] for s in seeds]
+    assert demos.items == 6 and [r.info["action"] for r in demos.rows] == [a for p in plans for a in p]
+    assert plans != shortest  # some of the six games' objects are not in the first place looked
+    cfg = load_config(None, ["recipe=sft", "model.name=tiny-random", "env.name=household", "data.n=2", 'data.walkthrough="search"'])
+    built = build_demos(cfg, EnvPool(lambda: make_env("household")), tok)
+    env = make_env("household")
+    assert [r.info["action"] for r in built.rows] == [a for s in split_seeds("train", 2) for a in (env.reset(s), env.search_walkthrough())[1]]
+
+
+class _NoSearchGame(HouseholdEnv):
+    search_walkthrough = None  # a multi-turn game that only knows its shortest walkthrough
+
+
+def test_search_demos_need_a_game_that_can_search(tiny_policy):
+    with pytest.raises(UserError, match="data.walkthrough"):
+        load_config(None, ["recipe=sft", "data.source=reference", 'data.walkthrough="search"'])
+    cfg = load_config(None, ["recipe=sft", "model.name=tiny-random", "env.name=arithmetic", "data.n=3", 'data.walkthrough="search"'])
+    with pytest.raises(UserError, match="single-turn"):
+        build_demos(cfg, EnvPool(lambda: make_env("arithmetic")), tiny_policy.tokenizer)
+    with pytest.raises(UserError, match="search_walkthrough"):
+        walkthrough_demos(_NoSearchGame(), split_seeds("train", 1), tiny_policy.tokenizer, None, AgentConfig(), search=True)

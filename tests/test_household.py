@@ -143,6 +143,33 @@ def test_walkthrough_wins_at_extreme_options(options):
         assert play(env, env.walkthrough())[-1].info["won"]
 
 
+@pytest.mark.parametrize("options", [{"rooms": 1, "objects_per_room": 2, "distractors": 0, "max_steps": 12}, {}, {"rooms": 6, "distractors": 4, "max_steps": 200}])
+def test_search_walkthrough_looks_until_it_sees_the_object_and_wins(options):
+    env = HouseholdEnv(**options)
+    for seed in split_seeds("train", 60):
+        env.reset(seed)
+        plan, shortest = env.search_walkthrough(), env.walkthrough()
+        results = play(env, plan)
+        assert results[-1].info["won"] and not any(r.info["invalid"] for r in results)
+        assert len(plan) >= len(shortest)
+        take = next(i for i, a in enumerate(plan) if a.startswith("take "))
+        assert not any(a.startswith("take ") for a in plan[:take])  # nothing picked up while looking
+        if options.get("rooms") == 1:  # one room: always the same order, the listed one without microwave, sink, stove
+            looked = [a.removeprefix("go to ") for a in plan[:take] if a.startswith("go to ")]
+            assert looked == ["cabinet 1", "countertop 1", "fridge 1"][: len(looked)]
+
+
+def test_search_walkthrough_by_hand():
+    env = HouseholdEnv(rooms=1, objects_per_room=2, distractors=0, tasks=["cool_then_place"], max_steps=12)
+    env.reset(split_seeds("train", 1)[0])
+    assert env.walkthrough() == ["go to countertop 1", "take bowl 1 from countertop 1", "go to fridge 1", "cool bowl 1 with fridge 1",
+                                 "go to countertop 1", "put bowl 1 on countertop 1"]
+    # the cabinet first (opened: no bowl in it), then the countertop, where the bowl is: the shortest plan from there
+    assert env.search_walkthrough() == ["go to cabinet 1", "open cabinet 1", *env.walkthrough()]
+    env.step("go to fridge 1")
+    assert env.search_walkthrough()[:2] == ["go to cabinet 1", "open cabinet 1"]  # from the reset state, not the current one
+
+
 def test_walkthrough_is_from_reset_state_even_mid_episode():
     env = HouseholdEnv()
     env.reset(11)

@@ -628,6 +628,32 @@ class HouseholdEnv:
             raise RuntimeError("call reset(seed) before walkthrough()")
         return _plan(self._ep.layout, self._ep.goal, self._ep.initial)
 
+    def search_walkthrough(self) -> list[str] | None:
+        """A winning action list that looks for the goal object instead of knowing where it is.
+
+        It visits the receptacles where objects can start (not the microwave, stove or sink),
+        the start room's first and then room by room in door distance, each room's in the
+        order the room lists them, going to each and opening it if closed, until one holds an
+        object of the task's kind; from there it plays the shortest plan. With one room the
+        visiting order never changes, so the choice at each receptacle, take the object or go
+        on, depends only on the task line and what the last observation shows: what a
+        demonstration of it teaches (`data.walkthrough = "search"`). Longer than
+        `walkthrough()` when the object is not in the first place looked."""
+        if self._ep is None:
+            raise RuntimeError("call reset(seed) before search_walkthrough()")
+        lay, goal, st = self._ep.layout, self._ep.goal, self._ep.initial.copy()
+        rooms = sorted(lay.rooms, key=lambda r: (len(_room_path(lay, st.room, r)), _natural(r)))
+        plan: list[str] = []
+        for rec in (r for room in rooms for r in lay.room_receptacles[room] if _kind(r) not in _NOT_A_START):
+            plan.extend(_travel(lay, st.room, st.at, rec))
+            st.room, st.at = lay.receptacle_room[rec], rec
+            if _RECEPTACLES[_kind(rec)][1] and rec not in st.opened:
+                plan.append(f"open {rec}")
+                st.opened.add(rec)
+            if any(where == rec and _kind(obj) == goal.obj_kind for obj, where in st.where.items()):
+                return plan + _plan(lay, goal, st)
+        return None
+
     def state_key(self) -> str:
         """A string naming the current game state (GiGPO's anchor); equal keys, equal states."""
         return repr(self.snapshot())
