@@ -29,6 +29,7 @@ another step, or something else.
     python benchmarks/hint_probe.py                         # household from runs/household_sft_light
     python benchmarks/hint_probe.py --games 4 --rerolls 4 --hints none,win
     python benchmarks/hint_probe.py --from-json benchmarks/results/hint_probe.json   # rebuild the .md only
+    python benchmarks/hint_probe.py --eval runs/household_sft_light/eval/after.json runs/household_sft_search/eval/after.json
 
 Games come from the train split (what RL plays), the same seeds and re-roll generator seed for
 every hint. Writes benchmarks/results/hint_probe.{json,md}.
@@ -221,13 +222,45 @@ def probe(policy, cfg, pools: dict, seeds: dict, hints: list[str], group_size: i
     return {h: {**summarise(records[h], cap), "records": records[h]} for h in hints}, games
 
 
-def household_task_line(task: str, seed: int) -> str:
-    """The task line of a probe game (the environment the probe plays)."""
+def household_task_line(task: str | None, seed: int) -> str:
+    """The task line of a game of the environment the probe and the household warm starts
+    play: one task type's (`task`), or all four's (None, as the warm starts' evaluations)."""
     from recursa.envs import make_env
 
-    env = make_env("household", rooms=1, objects_per_room=2, distractors=0, tasks=[task], max_steps=12)
+    env = make_env("household", rooms=1, objects_per_room=2, distractors=0, tasks=[task] if task else TASKS, max_steps=12)
     env.reset(seed)
     return env.task
+
+
+def eval_report(paths: list[str]) -> list[str]:
+    """Success and the failure modes of the lost games of evaluation files (a household warm
+    start's `eval/after.json`: greedy episodes of the 4-task-type game, actions joined by
+    " | "), one row each, with the paired comparison against the first when they share items."""
+    from recursa.envs.household import HouseholdEnv
+    from recursa.stats import mcnemar_exact, wilson_interval
+
+    env = HouseholdEnv(rooms=1, objects_per_room=2, distractors=0, tasks=TASKS, max_steps=12)
+    evals = [json.loads(Path(p).read_text()) for p in paths]
+    lines = ["| evaluation | won [Wilson 95%] | paired with the first (b, c, p) | lost | " + " | ".join(FAILURES) + " |",
+             "|---|---|---|---:|" + "---:|" * len(FAILURES)]
+    first = {it["seed"]: it["success"] for it in evals[0]["items"]}
+    for path, ev in zip(paths, evals):
+        items = ev["items"]
+        won = sum(it["success"] for it in items)
+        lo, hi = wilson_interval(won, len(items))
+        counts = dict.fromkeys(FAILURES, 0)
+        for it in items:
+            if not it["success"]:
+                env.reset(it["seed"])
+                counts[failure_mode(env.task, [a.strip() for a in it["completion"].split(" | ")])] += 1
+        paired = "-"
+        if path != paths[0] and {it["seed"] for it in items} == set(first):
+            b = sum(it["success"] and not first[it["seed"]] for it in items)
+            c = sum(first[it["seed"]] and not it["success"] for it in items)
+            paired = f"{b}, {c}, {mcnemar_exact(b, c):.3f}"
+        lines.append(f"| `{path}` | {won}/{len(items)} [{lo:.2f}, {hi:.2f}] | {paired} | {len(items) - won} | "
+                     + " | ".join(str(counts[m]) for m in FAILURES) + " |")
+    return lines
 
 
 def report(record: dict) -> list[str]:
@@ -275,7 +308,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tiny", action="store_true", help="the tiny random model (checks the script; its episodes rarely win)")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "hint_probe"))
     p.add_argument("--from-json", help="rebuild the .md next to this committed .json (no games played)")
+    p.add_argument("--eval", nargs="+", metavar="EVAL_JSON", help="instead: the failure modes of the lost games in these evaluation "
+                   "files (e.g. runs/household_sft_light/eval/after.json), paired with the first (no games played)")
     args = p.parse_args(argv)
+    if args.eval:
+        print("\n".join(eval_report(args.eval)))
+        return 0
     if args.from_json:
         src = Path(args.from_json)
         lines = report(json.loads(src.read_text()))

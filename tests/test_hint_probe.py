@@ -103,3 +103,19 @@ def test_failure_table_counts_lost_hinted_rerolls_only():
                {"task": "heat_then_place", "seed": 1, "hinted": False, "won": False, "weights": []}]  # no hint: not played
     out = hp.failure_modes(records, lambda task, seed: lines[(task, seed)])
     assert out == {"heat_then_place": {**dict.fromkeys(hp.FAILURES, 0), "took another object": 2, "took nothing": 1}}
+
+
+def test_eval_report_pairs_two_evaluations_and_names_the_failures(tmp_path):
+    from recursa.envs.base import split_seeds
+
+    hp = _probe()
+    s = split_seeds("gate", 3)
+    item = lambda seed, won, acts: {"seed": seed, "success": won, "completion": " | ".join(acts)}  # noqa: E731
+    a = {"items": [item(s[0], True, ["x"]), item(s[1], False, ["go to fridge 1"]), item(s[2], False, ["take zzz 1 from cabinet 1"])]}
+    b = {"items": [item(s[0], False, ["look"]), item(s[1], True, ["y"]), item(s[2], True, ["y"])]}
+    (tmp_path / "a.json").write_text(json.dumps(a))
+    (tmp_path / "b.json").write_text(json.dumps(b))
+    lines = hp.eval_report([str(tmp_path / "a.json"), str(tmp_path / "b.json")])
+    assert lines[2].endswith("| 1/3 [0.06, 0.79] | - | 2 | 1 | 1 | 0 | 0 | 0 |")
+    # b won 2 games a lost, lost 1 a won: McNemar exact p = 1.0; its one loss took nothing
+    assert lines[3].endswith("| 2/3 [0.21, 0.94] | 2, 1, 1.000 | 1 | 1 | 0 | 0 | 0 | 0 |")
