@@ -177,7 +177,19 @@ HOUSEHOLD_HINTED = {  # the light warm start's data, half its rows with a win hi
     "warm_start": "runs/household_sft_hinted",
     "warm_start_cmd": "recursa train examples/household_sft_hinted.toml",
 }
-GAMES = {"twx:twc": TWX_TWC, "household": HOUSEHOLD, "household_light": HOUSEHOLD_LIGHT, "household_hinted": HOUSEHOLD_HINTED}
+HOUSEHOLD_SEARCH = {  # the light warm start's 32 games, demonstrated by searching the receptacles (data.walkthrough = "search")
+    **HOUSEHOLD,
+    "slug": "household_search",
+    "warm_start": "runs/household_sft_search",
+    "warm_start_cmd": "recursa train examples/household_sft_search.toml",
+}
+GAMES = {
+    "twx:twc": TWX_TWC,
+    "household": HOUSEHOLD,
+    "household_light": HOUSEHOLD_LIGHT,
+    "household_hinted": HOUSEHOLD_HINTED,
+    "household_search": HOUSEHOLD_SEARCH,
+}
 
 
 def _toml_value(value) -> str:
