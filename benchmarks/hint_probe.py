@@ -234,13 +234,15 @@ def household_task_line(task: str | None, seed: int) -> str:
 
 def eval_report(paths: list[str]) -> list[str]:
     """Success and the failure modes of the lost games of evaluation files (a household warm
-    start's `eval/after.json`: greedy episodes of the 4-task-type game, actions joined by
-    " | "), one row each, with the paired comparison against the first when they share items."""
+    start's `eval/after.json`, or a benchmark run's result file, whose final evaluation is
+    `heldout`: greedy episodes of the 4-task-type game, actions joined by " | "), one row
+    each, with the paired comparison against the first when they share items."""
     from recursa.envs.household import HouseholdEnv
     from recursa.stats import mcnemar_exact, wilson_interval
 
     env = HouseholdEnv(rooms=1, objects_per_room=2, distractors=0, tasks=TASKS, max_steps=12)
     evals = [json.loads(Path(p).read_text()) for p in paths]
+    evals = [ev.get("heldout", ev) for ev in evals]  # a benchmark run's file holds its final evaluation there
     lines = ["| evaluation | won [Wilson 95%] | paired with the first (b, c, p) | lost | " + " | ".join(FAILURES) + " |",
              "|---|---|---|---:|" + "---:|" * len(FAILURES)]
     first = {it["seed"]: it["success"] for it in evals[0]["items"]}

@@ -119,3 +119,6 @@ def test_eval_report_pairs_two_evaluations_and_names_the_failures(tmp_path):
     assert lines[2].endswith("| 1/3 [0.06, 0.79] | - | 2 | 1 | 1 | 0 | 0 | 0 |")
     # b won 2 games a lost, lost 1 a won: McNemar exact p = 1.0; its one loss took nothing
     assert lines[3].endswith("| 2/3 [0.21, 0.94] | 2, 1, 1.000 | 1 | 1 | 0 | 0 | 0 | 0 |")
+    # a benchmark run's result file: its final evaluation under "heldout", read the same way
+    (tmp_path / "run.json").write_text(json.dumps({"recipe": "grpo", "heldout": b, "curve": []}))
+    assert hp.eval_report([str(tmp_path / "a.json"), str(tmp_path / "run.json")])[3] == lines[3].replace("b.json", "run.json")
