@@ -307,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rerolls", type=int, default=4, help="k: hinted episodes per lost game and hint")
     p.add_argument("--hints", default=",".join(HINTS), help=f"comma-separated, from {', '.join(HINTS)}")
     p.add_argument("--is-cap", type=float, default=2.0, help="hatch.is_cap: the importance weight's truncation")
+    p.add_argument("--threads", type=int, default=2, help="torch threads (1 beside another run on a 2-core machine)")
     p.add_argument("--tiny", action="store_true", help="the tiny random model (checks the script; its episodes rarely win)")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "hint_probe"))
     p.add_argument("--from-json", help="rebuild the .md next to this committed .json (no games played)")
@@ -336,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     from recursa.recipes.common import init_weights_dir
 
     torch.manual_seed(0)
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     sets = ["model.name=tiny-random"] if args.tiny else ["model.name=smollm2-135m-instruct", f'init.from_run="{args.warm_start}"']
     sets += ['env.name="household"', "agent.history_turns=1", "sampling.temperature=1.0", f"sampling.max_new_tokens={5 if args.tiny else 12}",
              "train.micro_batch_size=16", 'teacher.source="none"', "teacher.lam=0"]
