@@ -428,6 +428,14 @@ class TrainConfig(OptimConfig):
     prompts_per_step: int = Field(8, gt=0, description="B: distinct tasks per step")
     group_size: int = Field(8, ge=2, description="G: samples per task (the advantage group)")
     epochs: int = Field(1, gt=0, description="optimisation passes over each rollout batch")
+    max_episodes: int | None = Field(
+        None,
+        gt=0,
+        description="a cap on the episodes the run samples (budget/episodes): a step starts only if the most it can sample fits under "
+        "the cap, and RSIPO's hinted re-rolls are played for as many all-fail groups as the rest of the cap holds; the run then ends "
+        "before train.steps, with its last checkpoint and the after evaluation, so a recipe that samples extra episodes is compared "
+        "with GRPO at an equal budget (None: train.steps alone decides)",
+    )
     mini_batches: int = Field(1, gt=0, description="optimizer steps per epoch (the batch is split into this many)")
     old_logprobs: Literal["recompute", "sampling"] = Field(
         "recompute",
@@ -918,7 +926,35 @@ class GRPOConfig(RecipeBase):
         _check_rewards(self)
         _check_objective(self)
         _check_curriculum(self)
+        _check_budget(self)
         return self
+
+
+def step_episodes(cfg) -> int:
+    """The most episodes one GRPO or RSIPO step samples before RSIPO's hinted re-rolls (which
+    `train.max_episodes` caps inside the step): B x G, iGRPO's drafts and branch continuations."""
+    B, G = cfg.train.prompts_per_step, cfg.train.group_size
+    drafts = B * cfg.algo.igrpo_drafts if cfg.algo.igrpo else 0
+    branches = B * cfg.rollout.branch_sources * cfg.rollout.branch_k if cfg.rollout.branch != "off" else 0
+    return B * G + drafts + branches
+
+
+def _check_budget(cfg) -> None:
+    """Rules of `train.max_episodes`."""
+    cap = cfg.train.max_episodes
+    if cap is None:
+        return
+    if cap < step_episodes(cfg):
+        raise ValueError(f"train.max_episodes = {cap} holds no training step, which samples up to {step_episodes(cfg)} episodes: "
+                         "raise train.max_episodes, or lower train.prompts_per_step or train.group_size")
+    rloop = getattr(cfg, "rloop", None)
+    if rloop is not None and rloop.enabled:
+        raise ValueError("train.max_episodes could end the run inside an RL phase, before its fine-tune: set the budget with train.steps "
+                         "(rloop.rl_steps x phases) and train.max_episodes = None")
+    skills = getattr(cfg, "skills", None)
+    if skills is not None and skills.effect_games:
+        raise ValueError("train.max_episodes caps the hinted re-rolls inside a step, but not the episodes skills.effect_games plays "
+                         "for its candidates: set skills.effect_games = 0, or train.max_episodes = None and compare at an evaluation point")
 
 
 def _check_objective(cfg) -> None:

@@ -242,6 +242,50 @@ def test_hatch_in_the_recipe_counts_the_rerolls_and_trains_them(tmp_path, monkey
     assert grpo_rows[0]["episodes/sampled"] == B * G == grpo_rows[0]["budget/episodes"]
 
 
+def test_max_episodes_caps_the_rerolls_and_ends_the_run_early(tmp_path, monkeypatch):
+    """toy-parity: the groups of odd seeds all fail, so the re-rolls a step wants are known in
+    advance. train.max_episodes re-rolls only as many groups as the cap has room for, and the
+    run ends after the last step whose B x G episodes fit, with its checkpoint and the after
+    evaluation; resuming the finished run trains nothing more."""
+    monkeypatch.setattr(rsipo, "parse_skill", _valid("Write digits only, one digit per item."))
+    B, G, k, cap = 4, 2, 2, 30
+    cfg = _cfg("env.name=toy-parity", "train.steps=6", f"train.prompts_per_step={B}", f"train.group_size={G}", "hatch.enabled=true",
+               "hatch.hint=reflection", f"hatch.rerolls={k}", "skills.enabled=false", "teacher.source=none", "teacher.lam=0",
+               f"train.max_episodes={cap}", "eval.n=4", "eval.batch_size=4", "eval.before=false")
+    want, total = [], 0  # (sampled, capped groups) per step, by hand
+    for step in range(6):
+        if total + B * G > cap:
+            break
+        failing = sum(s % 2 == 1 for s in train_seeds(cfg, step))
+        rerolled = min(failing, (cap - total - B * G) // k)
+        total += B * G + k * rerolled
+        want.append((B * G + k * rerolled, failing - rerolled))
+    assert 1 < len(want) < 6 and any(c for _, c in want)  # the cap ends the run early, after capping some re-rolls
+    run = rsipo.train(cfg, tmp_path / "capped", log=lambda *_: None)
+    rows = _train_rows(run)
+    assert [(r["episodes/sampled"], r["hatch/capped_groups"]) for r in rows] == want
+    assert rows[-1]["budget/episodes"] == total <= cap
+    last = len(want)
+    assert (run / "checkpoints" / f"step_{last:06d}").is_dir() and (run / "eval" / "after.json").exists()
+    assert [r["step"] for r in _rows(run) if "eval/success_rate" in r] == [last]  # the after evaluation, at the last step trained
+    rsipo.train(cfg, run, resume=True, log=lambda *_: None)
+    assert len(_train_rows(run)) == last
+
+
+def test_max_episodes_in_grpo_and_its_rules(tmp_path):
+    """GRPO samples B x G episodes a step: a cap of 20 with B x G = 8 trains 2 steps of 6."""
+    sets = [*FAST, *CORRIDOR, "train.steps=6", "train.prompts_per_step=2", "train.group_size=4", "train.max_episodes=20", "eval.n=2", "eval.batch_size=2"]
+    run = grpo.train(load_config(None, sets), tmp_path / "grpo", log=lambda *_: None)
+    rows = _train_rows(run)
+    assert [r["budget/episodes"] for r in rows] == [8, 16] and (run / "eval" / "after.json").exists()
+    with pytest.raises(UserError, match="holds no training step"):
+        load_config(None, [*FAST, *CORRIDOR, "train.prompts_per_step=2", "train.group_size=4", "train.max_episodes=7"])
+    with pytest.raises(UserError, match="inside an RL phase"):
+        load_config(None, [*FAST, *CORRIDOR, "train.steps=8", "rloop.enabled=true", "train.max_episodes=64"])
+    with pytest.raises(UserError, match="skills.effect_games"):
+        _cfg(*CORRIDOR, "skills.effect_games=2", "skills.replay_reward=true", "train.max_episodes=64")
+
+
 @pytest.mark.parametrize("hint", ["reflection", "skill"])
 def test_hatch_hints_written_or_retrieved_by_the_policy(tmp_path, monkeypatch, hint):
     monkeypatch.setattr(rsipo, "parse_skill", _valid(GOOD_SKILL))

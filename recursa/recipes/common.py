@@ -271,6 +271,13 @@ def eval_before(run: OpenedRun, cfg, progress: Progress | None, log: Callable[[s
         log(f"before: success {r.success_rate:.3f} [{r.ci95[0]:.3f}, {r.ci95[1]:.3f}] on {r.n} {cfg.eval.split} items")
 
 
+def budget_left(cfg, sampled: int, next_step: int) -> bool:
+    """Whether a step that samples up to `next_step` episodes still fits under
+    `train.max_episodes` after the `sampled` episodes so far (always, without a cap)."""
+    cap = cfg.train.max_episodes
+    return cap is None or sampled + next_step <= cap
+
+
 def mid_eval_due(cfg, done: int, total: int) -> bool:
     """Whether the held-out evaluation every `eval.every` steps (rounds) falls after step `done`
     of `total` (the last step's is the `after` evaluation)."""

@@ -61,7 +61,7 @@ from recursa.algorithms.objectives import (
 )
 from recursa.anchor import Anchor, check_anchor, make_anchor, won_episodes
 from recursa.branching import branch_metrics, branched_advantages, sample_branches
-from recursa.config import OUTCOME_OBJECTIVES, GRPOConfig
+from recursa.config import OUTCOME_OBJECTIVES, GRPOConfig, step_episodes
 from recursa.curriculum import Curriculum, check_curriculum
 from recursa.distributed.ddp import SINGLE, DataParallel, SingleProcess
 from recursa.distributed.rollouts import make_rollouts
@@ -70,7 +70,7 @@ from recursa.envs import split_seed
 from recursa.envs.arms import arm_of
 from recursa.generation import GenerationStats, SamplingParams, prefix_lengths, sequence_logprobs, shared_prefix_logprobs
 from recursa.models import Policy
-from recursa.recipes.common import Progress, check_finite, eval_before, lr_at, mid_eval, mid_eval_due, mid_eval_missing, open_run, run_eval, step_generator
+from recursa.recipes.common import Progress, budget_left, check_finite, eval_before, lr_at, mid_eval, mid_eval_due, mid_eval_missing, open_run, run_eval, step_generator
 from recursa.recipes.gating import PromptGate, WeightsGate
 from recursa.recipes.rloop import RLoop
 from recursa.rewards import RewardSet, score_episodes, score_trajectories
@@ -745,7 +745,10 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
     B, G = cfg.train.prompts_per_step, cfg.train.group_size
     drafts = B * cfg.algo.igrpo_drafts if cfg.algo.igrpo else 0  # iGRPO's drafts per step
     sampled_total = int(run.state.get("episodes", start_step * (B * G + drafts)))  # budget/episodes: every episode sampled so far (branches, drafts)
+    last = start_step  # the last step trained (train.max_episodes can end the run before train.steps)
     for step in range(start_step, cfg.train.steps):
+        if not budget_left(cfg, sampled_total, step_episodes(cfg)):  # resumed at a checkpoint the cap ended the run at
+            break
         t0 = time.perf_counter()
         gen = step_generator(cfg.train.seed, step)
         tasks = curriculum.tasks(step, B, pool.take(1)[0]) if curriculum is not None else None  # arms, tail re-offers with hints
@@ -825,29 +828,34 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
             f"step {step + 1}/{cfg.train.steps}  reward {metrics['reward/mean']:.3f}  len {metrics['completion/len_mean']:.1f}  "
             f"clip {st.clip_frac:.3f}  rollout {t1 - t0:.1f}s  update {t2 - t1:.1f}s"
         )
-        done = step + 1
+        done = last = step + 1
+        final = done == cfg.train.steps or not budget_left(cfg, sampled_total, step_episodes(cfg))
+        if final and done < cfg.train.steps:
+            log(f"train.max_episodes = {cfg.train.max_episodes}: {sampled_total} episodes sampled, another step would pass the cap; the run ends at step {done}")
         if loop is not None and loop.due(done):  # the RL phase ends: reset, fine-tune on its harvest, and the next phase starts there
             opt_step, refreshed = loop.refresh(policy, optimizer, done, gen, opt_step, run.learner)
             store.log_metrics(done, refreshed)
             engine.load_weights(policy)
         if prompts is not None and done % cfg.gate.prompt_every == 0 and failures:
             store.log_metrics(done, prompts.check(policy, done, list(failures), gen))
-        if gate is not None and (done % cfg.gate.every == 0 or done == cfg.train.steps):
+        if gate is not None and (done % cfg.gate.every == 0 or final):
             store.log_metrics(done, gate.check(policy, optimizer, done, progress))
-        if (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0) or done == cfg.train.steps:
+        if (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0) or final:
             saved = reward_set.state_dict() if reward_set is not None else {}
             state = {"opt_steps": opt_step, **({"rewards": saved} if saved else {}), **({"episodes": sampled_total} if branching else {}),
                      **({"curriculum": curriculum.state_dict()} if curriculum is not None else {}),
                      **({"anchor": anchor.state_dict()} if anchor is not None and anchor.wins else {})}
             store.save_checkpoint(done, policy, optimizer, state)
-        if mid_eval_due(cfg, done, cfg.train.steps):  # after the checkpoint: a kill during the evaluation loses no training
+        if not final and mid_eval_due(cfg, done, cfg.train.steps):  # after the checkpoint: a kill during the evaluation loses no training
             mid_eval(policy, cfg, pool, store, done, progress, gate, log, engine=engine)
+        if final:
+            break
 
     rollouts.close()
     if cfg.train.steps == 0 and store.latest_checkpoint() is None:
         store.save_checkpoint(0, policy, optimizer, {"opt_steps": 0})
     if cfg.eval.after and cfg.eval.n > 0 and not (out / "eval" / "after.json").exists():
-        r = run_eval(policy, cfg, pool, store, cfg.train.steps, "after", progress, gate, engine=engine)
+        r = run_eval(policy, cfg, pool, store, last, "after", progress, gate, engine=engine)
         log(f"after: success {r.success_rate:.3f} [{r.ci95[0]:.3f}, {r.ci95[1]:.3f}] on {r.n} {cfg.eval.split} items")
     engine.close()
     store.close()

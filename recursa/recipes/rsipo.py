@@ -119,14 +119,14 @@ from recursa.algorithms.losses import part_scales
 from recursa.algorithms.routing import ALL_WIN, critical_weights, divergence_turn, group_routes, route_counts, route_gate
 from recursa.algorithms.trust import TrustEstimator, agreement_trials
 from recursa.anchor import check_anchor, make_anchor
-from recursa.config import RSIPOConfig
+from recursa.config import RSIPOConfig, step_episodes
 from recursa.curriculum import Curriculum, check_curriculum
 from recursa.engines import make_engine
 from recursa.envs import EnvPool, system_prompt_of
 from recursa.generation import GenerationStats, SamplingParams, generate, sequence_logprobs, shared_prefix_logprobs
 from recursa.models import Policy
 from recursa.distributed.rollouts import LocalRollouts, RolloutBackend, make_rollouts
-from recursa.recipes.common import Progress, check_finite, eval_before, mid_eval, mid_eval_due, mid_eval_missing, open_run, run_eval, step_generator
+from recursa.recipes.common import Progress, budget_left, check_finite, eval_before, mid_eval, mid_eval_due, mid_eval_missing, open_run, run_eval, step_generator
 from recursa.recipes.gating import PromptGate, SkillGate, WeightsGate
 from recursa.rewards import RewardSet, score_episodes, score_trajectories
 from recursa.recipes.grpo import Distillation, Imitation, UpdateStats, episode_rows, train_seeds, update, update_metrics
@@ -863,17 +863,21 @@ def hatch_hints(policy: Policy, played: Played, groups: list[int], library: Skil
 
 def hinted_rerolls(policy: Policy, pool: EnvPool, played: Played, seeds: list[int], shown: list[str | None] | None, library: SkillLibrary,
                    sampling: SamplingParams, gen: torch.Generator, cfg: RSIPOConfig, system: str | None, multi_turn: bool, step: int,
-                   reward_set: RewardSet | None = None, buffer: list[Attempt] | None = None) -> HintedStep:
+                   reward_set: RewardSet | None = None, buffer: list[Attempt] | None = None, room: int | None = None) -> HintedStep:
     """hatch: re-roll k attempts of each all-fail group with a hint, score their action tokens
     with and without it, and make rows under the un-hinted prompt with the advantage of
     `recursa.algorithms.hinted` (step: 0 for the first step, for the annealing; buffer: the
-    replay buffer, for hatch.hint = win)."""
+    replay buffer, for hatch.hint = win; room: the episodes train.max_episodes has left, which
+    re-rolls the first room // k hinted groups only)."""
     hc, tok, G = cfg.hatch, policy.tokenizer, cfg.train.group_size
     groups = [b for b, failed in enumerate(all_failed(played.success).tolist()) if failed]
     hints = hatch_hints(policy, played, groups, library, pool, cfg, system, gen, multi_turn, buffer) if groups else []
     chosen = [(b, h) for b, h in zip(groups, hints) if h is not None]
+    capped = chosen[max(room, 0) // hc.rerolls:] if room is not None else []
+    chosen = chosen[: len(chosen) - len(capped)]
     coef = anneal(hc.coef, step, cfg.train.steps if hc.anneal_steps is None else hc.anneal_steps, hc.anneal)
-    out = HintedStep(metrics={"hatch/groups": float(len(groups)), "hatch/hinted_groups": float(len(chosen)), "hatch/coef": coef})
+    out = HintedStep(metrics={"hatch/groups": float(len(groups)), "hatch/hinted_groups": float(len(chosen)), "hatch/coef": coef,
+                              **({"hatch/capped_groups": float(len(capped))} if room is not None else {})})
     if not chosen:
         return out
     k, re_seeds, re_hints = hc.rerolls, [seeds[b] for b, _ in chosen], [h for _, h in chosen]
@@ -1244,21 +1248,24 @@ def step_metrics(played: Played, skills: SkillStep, hinted: HintedStep, wins: Wi
     return metrics
 
 
-def final_evals(policy: Policy, cfg: RSIPOConfig, run, library: SkillLibrary, multi_turn: bool, gate, hints_for, progress, log, engine=None) -> None:
+def final_evals(policy: Policy, cfg: RSIPOConfig, run, library: SkillLibrary, multi_turn: bool, gate, hints_for, progress, log, engine=None,
+                step: int | None = None) -> None:
     """eval/after.json (with the in-context skills when skills.in_context); with skills.eval_both
     also the other library setting on the same weights: eval/after_skills.json (library in the
-    prompts) or eval/after_no_skills.json (none), logged as eval_skills/* metrics."""
+    prompts) or eval/after_no_skills.json (none), logged as eval_skills/* metrics at `step`
+    (the last step trained; default train.steps)."""
+    step = cfg.train.steps if step is None else step
     out, store, pool = run.store.path, run.store, run.pool
     if not (cfg.eval.after and cfg.eval.n > 0):
         return
     if not (out / "eval" / "after.json").exists():
-        r = run_eval(policy, cfg, pool, store, cfg.train.steps, "after", progress, gate, hints=hints_for, engine=engine)
+        r = run_eval(policy, cfg, pool, store, step, "after", progress, gate, hints=hints_for, engine=engine)
         log(f"after: success {r.success_rate:.3f} [{r.ci95[0]:.3f}, {r.ci95[1]:.3f}] on {r.n} {cfg.eval.split} items")
     if cfg.skills.eval_both:
         label = "after_no_skills" if cfg.skills.in_context else "after_skills"
         other = None if cfg.skills.in_context else (lambda seeds: library_hints(library, pool, seeds, cfg, multi_turn))
         if not (out / "eval" / f"{label}.json").exists():
-            r = run_eval(policy, cfg, pool, store, cfg.train.steps, label, progress, gate, hints=other, prefix="eval_skills", engine=engine)
+            r = run_eval(policy, cfg, pool, store, step, label, progress, gate, hints=other, prefix="eval_skills", engine=engine)
             log(f"{label}: success {r.success_rate:.3f} [{r.ci95[0]:.3f}, {r.ci95[1]:.3f}] on {r.n} {cfg.eval.split} items")
 
 
@@ -1310,7 +1317,10 @@ def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress 
 
     sampling = SamplingParams(cfg.sampling.max_new_tokens, cfg.sampling.temperature, cfg.sampling.top_p, tuple(cfg.sampling.stop))
     reward_set = RewardSet.from_config(cfg.reward)  # None: the env's reward alone
+    last = run.start_step  # the last step trained (train.max_episodes can end the run before train.steps)
     for step in range(run.start_step, cfg.train.steps):
+        if not budget_left(cfg, episodes, step_episodes(cfg)):  # resumed at a checkpoint the cap ended the run at
+            break
         times = [time.perf_counter()]
         gen = step_generator(cfg.train.seed, step)
         tasks = curriculum.tasks(step, B, pool.take(1)[0]) if curriculum is not None else None  # the arms' tasks (no tail guidance here: see [hatch])
@@ -1342,7 +1352,9 @@ def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress 
         times.append(time.perf_counter())
 
         # ---- all-fail groups: hinted re-rolls (hatch); all-win groups: stored successes (route)
-        hinted = hinted_rerolls(policy, pool, played, seeds, shown, library, sampling, gen, cfg, system, multi_turn, step, reward_set, list(buffer)) if cfg.hatch.enabled else HintedStep()
+        room = None if cfg.train.max_episodes is None else cfg.train.max_episodes - episodes - len(played.attempts) - skills.episodes
+        hinted = hinted_rerolls(policy, pool, played, seeds, shown, library, sampling, gen, cfg, system, multi_turn, step, reward_set, list(buffer),
+                                room) if cfg.hatch.enabled else HintedStep()
         wins = win_rows(policy, list(buffer), routes, cfg, system, gen)
         times.append(time.perf_counter())
 
@@ -1385,26 +1397,31 @@ def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress 
             f"episodes {metrics['episodes/sampled']}  rollout {metrics['time/rollout_s']:.1f}s  skills {metrics['time/skills_s']:.1f}s  "
             f"teacher {metrics['time/teacher_s']:.1f}s  update {metrics['time/update_s']:.1f}s"
         )
-        done = step + 1
+        done = last = step + 1
+        final = done == cfg.train.steps or not budget_left(cfg, episodes, step_episodes(cfg))
+        if final and done < cfg.train.steps:
+            log(f"train.max_episodes = {cfg.train.max_episodes}: {episodes} episodes sampled, another step would pass the cap; the run ends at step {done}")
         if prompts is not None and done % cfg.gate.prompt_every == 0 and failures:
             store.log_metrics(done, prompts.check(policy, done, list(failures), gen))
             system = system_prompt_of(pool.take(1)[0]) or cfg.model.system_prompt or None  # an admitted system prompt is the run's from now on
-        if gate is not None and (done % cfg.gate.every == 0 or done == cfg.train.steps):
+        if gate is not None and (done % cfg.gate.every == 0 or final):
             store.log_metrics(done, gate.check(policy, optimizer, done, progress))
-        if (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0) or done == cfg.train.steps:
+        if (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0) or final:
             saved = {"opt_steps": opt_step, "trust": trust.state_dict(), "skills": library.snapshot(), "episodes": episodes}
             if skill_gate is not None:
                 saved["skills_incumbent"] = skill_gate.incumbent  # the last accepted library, for a resumed skills gate
             if curriculum is not None:
                 saved["curriculum"] = curriculum.state_dict()
             store.save_checkpoint(done, policy, optimizer, saved)
-        if mid_eval_due(cfg, done, cfg.train.steps):  # after the checkpoint: a kill during the evaluation loses no training
+        if not final and mid_eval_due(cfg, done, cfg.train.steps):  # after the checkpoint: a kill during the evaluation loses no training
             mid_eval(policy, cfg, pool, store, done, progress, gate, log, hints=hints_for, engine=engine)
+        if final:
+            break
 
     rollouts.close()
     if cfg.train.steps == 0 and store.latest_checkpoint() is None:
         store.save_checkpoint(0, policy, optimizer, {"opt_steps": 0, "trust": trust.state_dict(), "skills": library.snapshot(), "episodes": 0})
-    final_evals(policy, cfg, run, library, multi_turn, gate, hints_for, progress, log, engine)
+    final_evals(policy, cfg, run, library, multi_turn, gate, hints_for, progress, log, engine, step=last)
     engine.close()
     store.close()
     pool.close()
