@@ -955,6 +955,9 @@ def _check_budget(cfg) -> None:
     if skills is not None and skills.effect_games:
         raise ValueError("train.max_episodes caps the hinted re-rolls inside a step, but not the episodes skills.effect_games plays "
                          "for its candidates: set skills.effect_games = 0, or train.max_episodes = None and compare at an evaluation point")
+    if cfg.gate.skills_every:
+        raise ValueError("train.max_episodes can end the run before the skill library's last gate round (at train.steps): "
+                         "set gate.skills_every = 0, or train.max_episodes = None")
 
 
 def _check_objective(cfg) -> None:

@@ -63,6 +63,12 @@ def test_the_loop_examples_hold_the_benchmark_settings():
     assert gopo["algo"].pop("advantage") == "gopo" and demo["algo"].pop("advantage") == "grpo"
     assert gopo["run"].pop("out") == "runs/gopo_demo" and demo["run"].pop("out") == "runs/demo"
     assert gopo == demo
+    # the prompt gate on the demo task: the demo's settings plus a [gate] section with prompt rounds
+    gated = tomllib.loads((ROOT / "examples" / "gate_prompt_demo.toml").read_text())
+    assert gated.pop("gate")["prompt_every"] > 0 and gated["run"].pop("out") == "runs/gate_prompt_demo"
+    gated["algo"]["advantage"] = "grpo"
+    demo["algo"]["advantage"] = "grpo"
+    assert gated == demo
 
 
 TINY = ["model.name=tiny-random", 'init.from_run=""', "run.threads=1", "run.checkpoint_every=0", "sampling.max_new_tokens=4",
@@ -76,6 +82,7 @@ def _twx_ready() -> bool:
 
 @pytest.mark.parametrize("name, sets", [
     ("gopo_demo", []),
+    ("gate_prompt_demo", ["gate.n=2", "gate.prompt_every=1", "gate.prompt_candidates=1", "gate.prompt_select_n=2"]),
     ("rloop_household", [*SMALL_GAME, "rloop.rl_steps=1", "rloop.sft_batch_size=4"]),
     ("skills_gate_household", [*SMALL_GAME, "skills.candidates=2", "skills.max_new_tokens=8", "gate.skills_screen=4"]),
     pytest.param("gate_prompt_twx", [*SMALL_GAME, "gate.prompt_every=1", "gate.prompt_candidates=1", "gate.prompt_select_n=2"],
@@ -92,7 +99,7 @@ def test_the_loop_examples_run_a_step_on_the_tiny_model(tmp_path, monkeypatch, n
     keys = {k for r in rows for k in r}
     assert "reward/mean" in keys and (run / "eval" / "after.json").exists()
     expected = {"gopo_demo": "advantage/abs_mean", "rloop_household": "rloop/sft_rows", "skills_gate_household": "skills/gate_p_value",
-                "gate_prompt_twx": "prompt/proposals"}[name]
+                "gate_prompt_twx": "prompt/proposals", "gate_prompt_demo": "prompt/proposals"}[name]
     assert expected in keys, sorted(keys)
 
 

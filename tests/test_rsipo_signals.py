@@ -284,6 +284,8 @@ def test_max_episodes_in_grpo_and_its_rules(tmp_path):
         load_config(None, [*FAST, *CORRIDOR, "train.steps=8", "rloop.enabled=true", "train.max_episodes=64"])
     with pytest.raises(UserError, match="skills.effect_games"):
         _cfg(*CORRIDOR, "skills.effect_games=2", "skills.replay_reward=true", "train.max_episodes=64")
+    with pytest.raises(UserError, match="last gate round"):
+        _cfg(*CORRIDOR, "skills.in_context=true", 'gate.mode="gate"', "gate.skills_every=2", "train.max_episodes=64")
 
 
 @pytest.mark.parametrize("hint", ["reflection", "skill"])
