@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from recursa.config import dump_config
+from recursa.config import dump_config, step_episodes
 from recursa.distributed import ddp
 from recursa.distributed.ddp import SINGLE, DataParallel, SingleProcess
 from recursa.envs import EnvPool
@@ -271,11 +271,23 @@ def eval_before(run: OpenedRun, cfg, progress: Progress | None, log: Callable[[s
         log(f"before: success {r.success_rate:.3f} [{r.ci95[0]:.3f}, {r.ci95[1]:.3f}] on {r.n} {cfg.eval.split} items")
 
 
-def budget_left(cfg, sampled: int, next_step: int) -> bool:
-    """Whether a step that samples up to `next_step` episodes still fits under
-    `train.max_episodes` after the `sampled` episodes so far (always, without a cap)."""
+def budget_left(cfg, sampled: int) -> bool:
+    """Whether another step (up to `config.step_episodes` episodes before RSIPO's capped
+    re-rolls) fits under `train.max_episodes` after the `sampled` episodes so far (always,
+    without a cap)."""
     cap = cfg.train.max_episodes
-    return cap is None or sampled + next_step <= cap
+    return cap is None or sampled + step_episodes(cfg) <= cap
+
+
+def ends_run(cfg, done: int, sampled: int, log: Callable[[str], None]) -> bool:
+    """Whether step `done` is the run's last: train.steps reached, or no further step fits
+    under train.max_episodes (logged, since the run then ends before train.steps)."""
+    if done == cfg.train.steps:
+        return True
+    if budget_left(cfg, sampled):
+        return False
+    log(f"train.max_episodes = {cfg.train.max_episodes}: {sampled} episodes sampled, another step would pass the cap; the run ends at step {done}")
+    return True
 
 
 def mid_eval_due(cfg, done: int, total: int) -> bool:

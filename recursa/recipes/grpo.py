@@ -61,7 +61,7 @@ from recursa.algorithms.objectives import (
 )
 from recursa.anchor import Anchor, check_anchor, make_anchor, won_episodes
 from recursa.branching import branch_metrics, branched_advantages, sample_branches
-from recursa.config import OUTCOME_OBJECTIVES, GRPOConfig, step_episodes
+from recursa.config import OUTCOME_OBJECTIVES, GRPOConfig
 from recursa.curriculum import Curriculum, check_curriculum
 from recursa.distributed.ddp import SINGLE, DataParallel, SingleProcess
 from recursa.distributed.rollouts import make_rollouts
@@ -70,7 +70,7 @@ from recursa.envs import split_seed
 from recursa.envs.arms import arm_of
 from recursa.generation import GenerationStats, SamplingParams, prefix_lengths, sequence_logprobs, shared_prefix_logprobs
 from recursa.models import Policy
-from recursa.recipes.common import Progress, budget_left, check_finite, eval_before, lr_at, mid_eval, mid_eval_due, mid_eval_missing, open_run, run_eval, step_generator
+from recursa.recipes.common import Progress, budget_left, check_finite, ends_run, eval_before, lr_at, mid_eval, mid_eval_due, mid_eval_missing, open_run, run_eval, step_generator
 from recursa.recipes.gating import PromptGate, WeightsGate
 from recursa.recipes.rloop import RLoop
 from recursa.rewards import RewardSet, score_episodes, score_trajectories
@@ -747,7 +747,7 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
     sampled_total = int(run.state.get("episodes", start_step * (B * G + drafts)))  # budget/episodes: every episode sampled so far (branches, drafts)
     last = start_step  # the last step trained (train.max_episodes can end the run before train.steps)
     for step in range(start_step, cfg.train.steps):
-        if not budget_left(cfg, sampled_total, step_episodes(cfg)):  # resumed at a checkpoint the cap ended the run at
+        if not budget_left(cfg, sampled_total):  # resumed at a checkpoint the cap ended the run at
             break
         t0 = time.perf_counter()
         gen = step_generator(cfg.train.seed, step)
@@ -829,9 +829,7 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
             f"clip {st.clip_frac:.3f}  rollout {t1 - t0:.1f}s  update {t2 - t1:.1f}s"
         )
         done = last = step + 1
-        final = done == cfg.train.steps or not budget_left(cfg, sampled_total, step_episodes(cfg))
-        if final and done < cfg.train.steps:
-            log(f"train.max_episodes = {cfg.train.max_episodes}: {sampled_total} episodes sampled, another step would pass the cap; the run ends at step {done}")
+        final = ends_run(cfg, done, sampled_total, log)
         if loop is not None and loop.due(done):  # the RL phase ends: reset, fine-tune on its harvest, and the next phase starts there
             opt_step, refreshed = loop.refresh(policy, optimizer, done, gen, opt_step, run.learner)
             store.log_metrics(done, refreshed)

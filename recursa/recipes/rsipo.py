@@ -119,14 +119,14 @@ from recursa.algorithms.losses import part_scales
 from recursa.algorithms.routing import ALL_WIN, critical_weights, divergence_turn, group_routes, route_counts, route_gate
 from recursa.algorithms.trust import TrustEstimator, agreement_trials
 from recursa.anchor import check_anchor, make_anchor
-from recursa.config import RSIPOConfig, step_episodes
+from recursa.config import RSIPOConfig
 from recursa.curriculum import Curriculum, check_curriculum
 from recursa.engines import make_engine
 from recursa.envs import EnvPool, system_prompt_of
 from recursa.generation import GenerationStats, SamplingParams, generate, sequence_logprobs, shared_prefix_logprobs
 from recursa.models import Policy
 from recursa.distributed.rollouts import LocalRollouts, RolloutBackend, make_rollouts
-from recursa.recipes.common import Progress, budget_left, check_finite, eval_before, mid_eval, mid_eval_due, mid_eval_missing, open_run, run_eval, step_generator
+from recursa.recipes.common import Progress, budget_left, check_finite, ends_run, eval_before, mid_eval, mid_eval_due, mid_eval_missing, open_run, run_eval, step_generator
 from recursa.recipes.gating import PromptGate, SkillGate, WeightsGate
 from recursa.rewards import RewardSet, score_episodes, score_trajectories
 from recursa.recipes.grpo import Distillation, Imitation, UpdateStats, episode_rows, train_seeds, update, update_metrics
@@ -873,8 +873,8 @@ def hinted_rerolls(policy: Policy, pool: EnvPool, played: Played, seeds: list[in
     groups = [b for b, failed in enumerate(all_failed(played.success).tolist()) if failed]
     hints = hatch_hints(policy, played, groups, library, pool, cfg, system, gen, multi_turn, buffer) if groups else []
     chosen = [(b, h) for b, h in zip(groups, hints) if h is not None]
-    capped = chosen[max(room, 0) // hc.rerolls:] if room is not None else []
-    chosen = chosen[: len(chosen) - len(capped)]
+    keep = len(chosen) if room is None else max(room, 0) // hc.rerolls
+    chosen, capped = chosen[:keep], chosen[keep:]
     coef = anneal(hc.coef, step, cfg.train.steps if hc.anneal_steps is None else hc.anneal_steps, hc.anneal)
     out = HintedStep(metrics={"hatch/groups": float(len(groups)), "hatch/hinted_groups": float(len(chosen)), "hatch/coef": coef,
                               **({"hatch/capped_groups": float(len(capped))} if room is not None else {})})
@@ -1248,13 +1248,12 @@ def step_metrics(played: Played, skills: SkillStep, hinted: HintedStep, wins: Wi
     return metrics
 
 
-def final_evals(policy: Policy, cfg: RSIPOConfig, run, library: SkillLibrary, multi_turn: bool, gate, hints_for, progress, log, engine=None,
-                step: int | None = None) -> None:
+def final_evals(policy: Policy, cfg: RSIPOConfig, run, library: SkillLibrary, multi_turn: bool, gate, hints_for, progress, log, engine,
+                step: int) -> None:
     """eval/after.json (with the in-context skills when skills.in_context); with skills.eval_both
     also the other library setting on the same weights: eval/after_skills.json (library in the
     prompts) or eval/after_no_skills.json (none), logged as eval_skills/* metrics at `step`
-    (the last step trained; default train.steps)."""
-    step = cfg.train.steps if step is None else step
+    (the last step trained)."""
     out, store, pool = run.store.path, run.store, run.pool
     if not (cfg.eval.after and cfg.eval.n > 0):
         return
@@ -1319,7 +1318,7 @@ def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress 
     reward_set = RewardSet.from_config(cfg.reward)  # None: the env's reward alone
     last = run.start_step  # the last step trained (train.max_episodes can end the run before train.steps)
     for step in range(run.start_step, cfg.train.steps):
-        if not budget_left(cfg, episodes, step_episodes(cfg)):  # resumed at a checkpoint the cap ended the run at
+        if not budget_left(cfg, episodes):  # resumed at a checkpoint the cap ended the run at
             break
         times = [time.perf_counter()]
         gen = step_generator(cfg.train.seed, step)
@@ -1398,9 +1397,7 @@ def train(cfg: RSIPOConfig, out: Path, resume: bool = False, progress: Progress 
             f"teacher {metrics['time/teacher_s']:.1f}s  update {metrics['time/update_s']:.1f}s"
         )
         done = last = step + 1
-        final = done == cfg.train.steps or not budget_left(cfg, episodes, step_episodes(cfg))
-        if final and done < cfg.train.steps:
-            log(f"train.max_episodes = {cfg.train.max_episodes}: {episodes} episodes sampled, another step would pass the cap; the run ends at step {done}")
+        final = ends_run(cfg, done, episodes, log)
         if prompts is not None and done % cfg.gate.prompt_every == 0 and failures:
             store.log_metrics(done, prompts.check(policy, done, list(failures), gen))
             system = system_prompt_of(pool.take(1)[0]) or cfg.model.system_prompt or None  # an admitted system prompt is the run's from now on
