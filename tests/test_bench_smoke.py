@@ -277,3 +277,72 @@ def test_gate_simulation_keeps_its_error_budget(tmp_path):
     r = json.loads(out.read_text())
     lo, hi = r["false_accept"]["ci95"]
     assert r["settings"]["sims"] == 50 and r["sample_size"] > 0 and lo <= r["settings"]["alpha"] and 0 <= lo <= r["false_accept"]["rate"] <= hi
+
+
+def _gate_rounds():
+    spec = importlib.util.spec_from_file_location("gate_rounds", REPO / "benchmarks" / "gate_rounds.py")
+    gr = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gr)
+    return gr
+
+
+def _eval_file(path: Path, successes: dict[int, bool]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    k, n = sum(successes.values()), len(successes)
+    path.write_text(json.dumps({"success_rate": k / n, "n": n, "ci95": [0.0, 1.0],
+                                "items": [{"seed": s, "success": ok, "reward": float(ok)} for s, ok in successes.items()]}))
+
+
+def test_gate_rounds_collects_the_decisions_and_pairs_by_hand(tmp_path):
+    """benchmarks/gate_rounds.py on a hand-made run: the prompt round and the weights gate come
+    from metrics.jsonl, the held-out curve from its eval rows; before (1, 0, 0, 1) against after
+    (1, 1, 0, 0) is one item won and one lost (diff 0, McNemar p = 1); a baseline that played
+    items 2..5 is paired on the three items both played: baseline (0, 0, 0) against after (1, 0, 0)."""
+    gr = _gate_rounds()
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"step": 0, "eval/success_rate": 0.5, "eval/n": 4, "eval/ci95_lo": 0.1, "eval/ci95_hi": 0.9},
+            {"step": 1, "reward/mean": 0.5},
+            {"step": 2, "prompt/proposals": 2.0, "prompt/malformed": 1.0, "prompt/accepted": 0.0, "prompt/p_value": 0.5, "prompt/gain": 0.25},
+            {"step": 2, "gate/accepted": 1.0, "gate/rolled_back": 0.0, "gate/p_value": 0.01, "gate/regressions": 0},
+            {"step": 2, "eval/success_rate": 0.5, "eval/n": 4, "eval/ci95_lo": 0.1, "eval/ci95_hi": 0.9}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    _eval_file(run / "eval" / "before.json", {1: True, 2: False, 3: False, 4: True})
+    baseline = tmp_path / "base.json"
+    baseline.write_text(json.dumps({"heldout": {"items": [{"seed": s, "success": False} for s in (2, 3, 4, 5)]}}))
+    with pytest.raises(SystemExit, match="has not finished"):
+        gr.summarise(run)
+    _eval_file(run / "eval" / "after.json", {1: True, 2: True, 3: False, 4: False})
+    out = gr.summarise(run, "examples/x.toml", baseline)
+    assert out["command"] == "recursa train examples/x.toml" and [c["step"] for c in out["curve"]] == [0, 2]
+    (rnd,) = out["prompt_rounds"]
+    assert rnd == {"step": 2, "proposals": 2.0, "malformed": 1.0, "accepted": 0.0, "p_value": 0.5, "gain": 0.25}
+    assert out["weight_gates"] == [{"step": 2, "accepted": 1.0, "rolled_back": 0.0, "p_value": 0.01, "regressions": 0}]
+    ba, vs = out["paired"]
+    assert (ba["n"], ba["diff"], ba["second_only"], ba["first_only"], ba["p_two_sided"]) == (4, 0.0, 1, 1, 1.0)
+    assert (vs["n"], vs["first_rate"], vs["second_rate"], vs["second_only"], vs["first_only"]) == (3, 0.0, 1 / 3, 1, 0)
+    assert vs["p_second_better"] == pytest.approx(0.5)  # one discordant item, won: P(X >= 1), X ~ Bin(1, 1/2)
+    assert vs["diff_ci95"][0] < 0 < 1 / 3 < vs["diff_ci95"][1]
+    with pytest.raises(SystemExit, match="has no metrics.jsonl"):
+        gr.summarise(tmp_path / "missing")
+
+
+def test_gate_rounds_reads_the_proposals_of_a_tiny_gated_run(tmp_path):
+    """The demo's prompt gate on the tiny model, one round per step: the script finds each
+    round's best proposal in the run's lineage and writes the result file."""
+    from recursa.config import load_config
+    from recursa.recipes import grpo
+
+    sets = ["model.name=tiny-random", "run.threads=1", "run.checkpoint_every=0", "sampling.max_new_tokens=4", "train.steps=2",
+            "train.prompts_per_step=2", "train.group_size=2", "train.micro_batch_size=4", "eval.n=4", "eval.batch_size=4",
+            "gate.n=4", "gate.prompt_every=1", "gate.prompt_candidates=2", "gate.prompt_select_n=2", "gate.prompt_max_chars=40"]
+    cfg = load_config(REPO / "examples" / "gate_prompt_demo.toml", sets)
+    run = grpo.train(cfg, tmp_path / "gated", log=lambda *_: None)
+    out = tmp_path / "r.json"
+    assert _gate_rounds().main([str(run), "--config", "examples/gate_prompt_demo.toml", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    rounds = r["prompt_rounds"]
+    assert [x["step"] for x in rounds] == [1, 2] and r["after"]["n"] == 4 and r["paired"][0]["n"] == 4
+    tested = [x for x in rounds if "p_value" in x]
+    assert tested and all(isinstance(x["proposal"], str) and x["proposal"] for x in tested)
+    assert all("proposal" not in x for x in rounds if "p_value" not in x)  # a round with no usable proposal tests nothing
