@@ -56,17 +56,17 @@ def _proposals(run: Path) -> dict[int, str]:
         con.close()
 
 
+def _items(data: dict) -> dict[int, bool]:
+    """Seed -> success of a benchmark result file (its `heldout`) or an eval JSON."""
+    items = data["heldout"]["items"] if "heldout" in data else data["items"]
+    return {int(i["seed"]): bool(i["success"]) for i in items}
+
+
 def _eval(path: Path) -> dict | None:
     if not path.exists():
         return None
     d = json.loads(path.read_text())
-    return {"success_rate": d["success_rate"], "n": d["n"], "ci95": d["ci95"], "items": {int(i["seed"]): bool(i["success"]) for i in d["items"]}}
-
-
-def _baseline_items(path: Path) -> dict[int, bool]:
-    d = json.loads(path.read_text())
-    items = d["heldout"]["items"] if "heldout" in d else d["items"]
-    return {int(i["seed"]): bool(i["success"]) for i in items}
+    return {"success_rate": d["success_rate"], "n": d["n"], "ci95": d["ci95"], "items": _items(d)}
 
 
 def _paired(first: dict[int, bool], second: dict[int, bool], first_name: str, second_name: str) -> dict:
@@ -109,7 +109,7 @@ def summarise(run: Path, config: str | None = None, baseline: Path | None = None
     if before is not None:
         paired.append(_paired(before["items"], after["items"], "before", "after"))
     if baseline is not None:
-        paired.append(_paired(_baseline_items(baseline), after["items"], str(baseline.relative_to(ROOT) if baseline.is_relative_to(ROOT) else baseline), "after"))
+        paired.append(_paired(_items(json.loads(baseline.read_text())), after["items"], str(baseline.relative_to(ROOT) if baseline.is_relative_to(ROOT) else baseline), "after"))
     out["paired"] = paired
     return out
 
