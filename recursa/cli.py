@@ -79,7 +79,9 @@ def cmd_train(args) -> int:
         out = Path(args.out or cfg.run.out or f"runs/{cfg.recipe}")
     learner = ddp.setup(cfg)  # None in one process; under torchrun, rank 0 drives and the other ranks serve updates
     if learner is not None and not learner.is_driver:
-        ddp.serve(learner)  # never touches the run directory
+        from recursa.distributed.worker import serve
+
+        serve(learner)  # never touches the run directory
         learner.close()
         return 0
     if out.exists() and not out.is_dir():

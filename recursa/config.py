@@ -1341,6 +1341,34 @@ def _format_validation(exc: ValidationError, source: str) -> str:
     return f"{source}: {loc}: {msg}{got}; fix it in the file or with --set {loc}=...{more}"
 
 
+def check_kinds_task(kinds: list[str], env, task: str) -> None:
+    """The rewards without a verifier (`kinds`) against one env of the task: single-turn, and
+    an answer extraction for self_consistency; else a one-line UserError."""
+    from recursa.envs.base import answer_extractor, is_agent_env
+
+    if is_agent_env(env):
+        raise UserError(f"reward kind = {kinds[0]!r} scores single-turn replies, but {task} is a multi-turn game: use a single-turn task or drop the entry")
+    if "self_consistency" in kinds and answer_extractor(env) is None:
+        raise UserError(
+            f"reward kind = 'self_consistency' votes on the answers a task extracts from replies, and {task} extracts none (its env has no "
+            "parse(reply) method; a [data] task needs data.scorer = 'exact' or 'last_number'): choose another kind or task"
+        )
+
+
+def check_reward_task(cfg) -> None:
+    """Config-load check of the built-in reward kinds against the config's task (`check_kinds_task`)."""
+    from recursa.envs.dataset import task_factory, task_name
+
+    kinds = [e.kind for e in cfg.reward if e.kind != "func"]
+    env = task_factory(cfg)()
+    try:
+        check_kinds_task(kinds, env, task_name(cfg))
+    finally:
+        close = getattr(env, "close", None)
+        if callable(close):
+            close()
+
+
 def check_plugins(cfg) -> None:
     """The user code a config names, checked at load: an env factory ('pkg.module:attr' or a
     `recursa.envs` entry point) imports and builds an env that follows the protocol, and every
@@ -1354,9 +1382,7 @@ def check_plugins(cfg) -> None:
         if entry.kind == "func" and entry.func != "env" and not callable(import_object(entry.func, "reward.func")):
             raise UserError(f"reward.func = {entry.func!r} is not a function")
     if any(entry.kind != "func" for entry in getattr(cfg, "reward", [])):
-        from recursa.self_rewards import check_task
-
-        check_task(cfg)  # single-turn, and answer extraction for self_consistency
+        check_reward_task(cfg)  # single-turn, and answer extraction for self_consistency
     if uses_dataset(cfg) and cfg.data.scorer not in ("exact", "last_number"):
         from recursa.envs.base import is_factory_spec
 

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 
 from recursa.errors import UserError
+from recursa.runio import cache_dir
 
 if TYPE_CHECKING:
     from recursa.config import ModelConfig
@@ -63,10 +64,6 @@ _TINY_CORPUS = [
     "go north, go south, go east, go west, take key, open door, look, inventory",
     "<answer>17</answer> Let me think step by step. First, then, finally.",
 ]
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("RECURSA_CACHE", Path.home() / ".cache" / "recursa"))
 
 
 DEVICE_ENV = "RECURSA_DEVICE"

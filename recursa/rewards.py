@@ -44,42 +44,13 @@ they do not redefine what solving a task means.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from recursa.answers import call_reward  # noqa: F401  (a reward function called and its output checked; re-exported)
 from recursa.errors import UserError
 
 ENV = "env"
-
-
-def call_reward(fn: Callable, name: str, prompts: list[str], completions: list[str], fields: dict[str, list]) -> list[float | None]:
-    """`fn(prompts, completions, **fields)` checked: a list of len(completions) floats or
-    None; anything else (or an exception) is a one-line `UserError` naming the function."""
-    try:
-        out = fn(prompts, completions, **fields)
-    except UserError:
-        raise
-    except Exception as exc:
-        raise UserError(f"reward function {name!r} raised {type(exc).__name__}: {' '.join(str(exc).split())[:200]}") from None
-    try:
-        out = list(out)
-    except TypeError:
-        raise UserError(f"reward function {name!r} returned {type(out).__name__}, expected a list of float | None, one per completion") from None
-    if len(out) != len(completions):
-        raise UserError(f"reward function {name!r} returned {len(out)} values for {len(completions)} completions: return one float (or None) per completion")
-    values: list[float | None] = []
-    for i, v in enumerate(out):
-        if v is None:
-            values.append(None)
-            continue
-        if not isinstance(v, (int, float)) and not hasattr(v, "__float__"):
-            raise UserError(f"reward function {name!r} returned {v!r} (a {type(v).__name__}) for completion {i}: return a float or None")
-        f = float(v)
-        if not math.isfinite(f):
-            raise UserError(f"reward function {name!r} returned {f} for completion {i}: rewards must be finite (None means 'does not apply')")
-        values.append(f)
-    return values
 
 
 @dataclass

@@ -47,7 +47,7 @@ import torch
 
 from recursa.agent import AgentConfig, parse_action, render_turn
 from recursa.engines import NativeEngine, RolloutEngine
-from recursa.envs.base import Env, EnvPool, as_pool, system_prompt_of
+from recursa.envs.base import Env, EnvPool, as_pool, is_agent_env, system_prompt_of  # noqa: F401  (is_agent_env: re-exported)
 from recursa.generation import GenerationStats, Generators, SamplingParams, group_generators
 from recursa.models import Policy
 from recursa.trajectory import Episode, Trajectory, Turn
@@ -174,11 +174,6 @@ class EpisodeRollout:
     episodes: list[Episode]  # grouped: group i holds indices [i*G, (i+1)*G)
     stats: GenerationStats
     turns: int = 0  # batched generation calls
-
-
-def is_agent_env(env: Env) -> bool:
-    """Multi-turn games expose admissible actions and a walkthrough (see `AgentEnv`)."""
-    return hasattr(env, "admissible_actions") and hasattr(env, "walkthrough")
 
 
 def rollout_episodes(

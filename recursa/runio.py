@@ -69,6 +69,12 @@ FAULT_POINTS: tuple[str, ...] = (
 _hits: dict[str, int] = {}
 
 
+def cache_dir() -> Path:
+    """recursa's cache directory on this machine ($RECURSA_CACHE, else ~/.cache/recursa): the
+    embedded model converted to safetensors, generated TextWorld games."""
+    return Path(os.environ.get("RECURSA_CACHE", Path.home() / ".cache" / "recursa"))
+
+
 def _matches(spec: str | None, name: str) -> bool:
     if not spec:
         return False

@@ -48,10 +48,12 @@ from recursa.algorithms.self_reward import (
     yes_probability,
 )
 from recursa.algorithms.trust import TrustEstimator
+from recursa.config import check_kinds_task
+from recursa.envs.base import answer_extractor
 from recursa.errors import UserError
 
 __all__ = ["BuiltinReward", "SelfConsistency", "SelfJudge", "SelfReward", "SelfRewardContext", "TermScore", "answer_extractor",
-           "build_builtin", "check_task", "is_verified"]
+           "build_builtin", "is_verified"]
 
 
 @dataclass
@@ -85,46 +87,12 @@ class SelfRewardContext:
 # ----------------------------------------------------------------------------- checks
 
 
-def answer_extractor(env) -> Callable[[str], str | None] | None:
-    """The env's answer extraction, `parse(reply) -> str | None` (arithmetic, reasoning-gym,
-    a [data] task with scorer 'exact' or 'last_number', your env if it has one), or None."""
-    fn = getattr(env, "parse", None)
-    return fn if callable(fn) else None
-
-
-def _check_env(kinds: list[str], env, task: str) -> None:
-    from recursa.rollout import is_agent_env
-
-    if is_agent_env(env):
-        raise UserError(f"reward kind = {kinds[0]!r} scores single-turn replies, but {task} is a multi-turn game: use a single-turn task or drop the entry")
-    if "self_consistency" in kinds and answer_extractor(env) is None:
-        raise UserError(
-            f"reward kind = 'self_consistency' votes on the answers a task extracts from replies, and {task} extracts none (its env has no "
-            "parse(reply) method; a [data] task needs data.scorer = 'exact' or 'last_number'): choose another kind or task"
-        )
-
-
-def check_task(cfg) -> None:
-    """Config-load check of the built-in kinds against the task: single-turn, and an answer
-    extraction for self_consistency; else a one-line UserError."""
-    from recursa.envs.dataset import task_factory, task_name
-
-    kinds = [e.kind for e in cfg.reward if e.kind != "func"]
-    env = task_factory(cfg)()
-    try:
-        _check_env(kinds, env, task_name(cfg))
-    finally:
-        close = getattr(env, "close", None)
-        if callable(close):
-            close()
-
-
 def build_builtin(entry, name: str, context: SelfRewardContext) -> BuiltinReward:
     """The scorer of a built-in `[[reward]]` entry."""
     from recursa.envs.dataset import task_name
 
     cfg = context.cfg
-    _check_env([entry.kind], context.env, task_name(cfg))
+    check_kinds_task([entry.kind], context.env, task_name(cfg))
     micro, chunk = cfg.train.micro_batch_size, cfg.train.logit_chunk
     if entry.kind == "self_consistency":
         o = entry.option
@@ -307,7 +275,7 @@ def _frozen(policy) -> torch.nn.Module:
 def _implicit_reward_models(cfg, entry, init_dir: Path | None) -> tuple[torch.nn.Module, torch.nn.Module]:
     """(pi_SFT, pi_base), frozen, on the policy's device: the warm start and `entry.base`."""
     from recursa.models import load_policy
-    from recursa.recipes.common import run_checkpoint
+    from recursa.store import run_checkpoint
 
     if init_dir is None:
         raise UserError("reward kind = 'self_reward' needs two models, pi_SFT and pi_base: set init.from_run to the warm start (pi_SFT, e.g. an SFT run)")

@@ -486,3 +486,25 @@ def _jsonable(v):
     if isinstance(v, torch.Tensor):
         return v.item()
     return v
+
+
+def run_checkpoint(run_dir: str, checkpoint: str, model_name: str, key: str, checkpoint_key: str) -> Path:
+    """The finished checkpoint `checkpoint` ('last' or a step number) of the run in `run_dir`,
+    which must have trained `model_name`; else a one-line UserError naming the config key."""
+    from recursa.config import load_config
+
+    run = Path(run_dir)
+    if not (run / "config.toml").exists():
+        raise UserError(f"{key} = {str(run)!r}: no run there (no config.toml); train it first, e.g. recursa train examples/twx_twc_sft.toml")
+    source = load_config(run / "config.toml", check=False)
+    if source.model.name != model_name:
+        raise UserError(f"{key} = {str(run)!r} trained model {source.model.name!r}, but this config uses {model_name!r}: set model.name to match")
+    done = finished_checkpoints(run)
+    if not done:
+        raise UserError(f"{key} = {str(run)!r} has no finished checkpoint yet: let that run finish (or resume it) first")
+    if checkpoint == "last":
+        return done[-1]
+    want = run / "checkpoints" / f"step_{int(checkpoint):06d}"
+    if want not in done:
+        raise UserError(f"{checkpoint_key} = {checkpoint}: {run} has {[p.name for p in done]}")
+    return want

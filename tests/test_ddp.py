@@ -143,11 +143,11 @@ def _rank(rank: int, world: int, init_file: str, out: str) -> None:
     os.environ["RECURSA_DEVICE"] = "cpu"
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    from recursa.distributed import ddp
+    from recursa.distributed import ddp, worker
 
     learner = ddp.DataParallel(rank, world, torch.device("cpu"))
     if rank != 0:
-        ddp.serve(learner, log=lambda *_: None)
+        worker.serve(learner, log=lambda *_: None)
         learner.close()
         return
     results = {}

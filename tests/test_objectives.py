@@ -471,8 +471,9 @@ def test_every_switch_trains_two_steps_with_finite_metrics(tmp_path, monkeypatch
     import recursa.recipes.grpo as grpo
     from recursa.envs import base
 
-    monkeypatch.setitem(base._CUSTOM, "toy-anydigit", (AnyDigitEnv, "test"))
-    monkeypatch.setitem(base._CUSTOM, "toy-digit-game", (DigitGameEnv, "test"))
+    monkeypatch.setattr(base.ENVS, "_registered", dict(base.ENVS._registered))  # the registrations below end with the test
+    base.register_env("toy-anydigit", AnyDigitEnv, "test")
+    base.register_env("toy-digit-game", DigitGameEnv, "test")
     seen_hints = []
     make = grpo.make_rollouts
 

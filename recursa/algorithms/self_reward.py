@@ -53,7 +53,7 @@ from typing import Hashable, Sequence
 
 import torch
 
-from recursa.envs.base import normalise_number
+from recursa.answers import normalise_number
 
 __all__ = [
     "Consistency",

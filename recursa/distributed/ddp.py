@@ -8,7 +8,7 @@ are shared):
 `learner.backend = "auto"` (the default) means data-parallel when torchrun set
 WORLD_SIZE > 1, one process otherwise. Rank 0, the *driver*, runs the recipe exactly as a
 one-process run does: rollouts, rewards, skills, evaluations, the gate, logs and
-checkpoints; it alone touches the run directory. Every other rank is a *worker* (`serve`)
+checkpoints; it alone touches the run directory. Every other rank is a *worker* (`recursa.distributed.worker.serve`)
 that holds a copy of the model and joins each update:
 
     driver  announce    -> the batch, the step's generator state, the optimizer step count
@@ -261,49 +261,6 @@ def setup(cfg) -> DataParallel | None:
     return _ACTIVE
 
 
-def serve(learner: DataParallel, log: Callable[[str], None] = print) -> None:
-    """A worker's loop: build the model the driver describes (hello), join each update or
-    supervised step it announces, return at stop."""
-    from recursa.config import RECIPES
-    from recursa.models import load_policy
-    from recursa.recipes.common import make_optimizer, supervised_step
-    from recursa.recipes.grpo import Imitation, update
-
-    cfg = policy = optimizer = None
-    while True:
-        kind, payload = learner.receive()
-        if kind == "stop":
-            return
-        if kind == "hello":
-            cfg = RECIPES[payload["recipe"]].model_validate(payload["config"])
-            torch.set_num_threads(cfg.run.threads)
-            policy = load_policy(cfg.model)  # the weights come from rank 0 at the first share
-            if payload["reference"]:
-                policy.enable_reference()
-            mine = _signature(policy)
-            if mine != payload["tensors"]:
-                diff = next((a, b) for a, b in zip(mine + [None], payload["tensors"] + [None]) if a != b)
-                raise UserError(f"rank {learner.rank} built a different model from rank 0's (first difference: {diff}): same config, same recursa on every node?")
-            optimizer = make_optimizer([p for p in policy.model.parameters() if p.requires_grad], cfg)
-            log(f"rank {learner.rank}/{learner.world_size}: learner worker for {cfg.model.name} on {policy.device}")
-            continue
-        if policy is None:
-            raise RuntimeError(f"rank {learner.rank} was sent {kind!r} before the run's hello")
-        batch = payload["batch"].to(policy.device)
-        if kind == "update":
-            generator = torch.Generator(device="cpu")
-            generator.set_state(payload["generator"])
-            imitation = payload["imitation"]
-            if imitation is not None:
-                imitation = Imitation(imitation.weights.to(policy.device), imitation.coef)
-            update(policy, optimizer, batch, cfg, generator, payload["opt_step"], imitation, learner=learner, outcomes=payload.get("outcomes"),
-                   distillation=payload.get("distillation"))
-        elif kind == "supervised":
-            supervised_step(policy, optimizer, batch, cfg, payload["opt_step"], learner=learner)
-        else:
-            raise RuntimeError(f"rank {learner.rank}: unknown announcement {kind!r}")
-
-
 # ------------------------------------------------------------------------------ helpers
 
 
@@ -354,16 +311,10 @@ def _bucketed(tensors: list[torch.Tensor], collective: Callable[[torch.Tensor], 
 
 
 def _to_host(value):
-    """Tensors (and a TrainBatch's, an Imitation's or a Distillation's tensors) moved to the CPU for pickling."""
-    from recursa.recipes.grpo import Distillation, Imitation
-    from recursa.trajectory import TrainBatch
-
+    """Tensors, and the objects of tensors an update is announced with (a TrainBatch, the
+    recipes' extra loss terms: anything with a `to(device)`), moved to the CPU for pickling."""
     if isinstance(value, torch.Tensor):
         return value.detach().cpu()
-    if isinstance(value, TrainBatch):
-        return value.to("cpu")
-    if isinstance(value, Imitation):
-        return Imitation(value.weights.detach().cpu(), value.coef)
-    if isinstance(value, Distillation):
+    if callable(getattr(value, "to", None)):
         return value.to("cpu")
     return value

@@ -40,7 +40,7 @@ from recursa.envs.dataset import task_factory
 from recursa.errors import UserError
 from recursa.generation import generators_from, group_seeds
 from recursa.models import Policy, load_policy
-from recursa.distributed.rollouts import RolloutRequest, merge, play, shard_bounds
+from recursa.distributed.local import RolloutRequest, merge, play, shard_bounds
 
 # What a dead worker looks like from the driver: its process killed (ray.kill, a crash, Ray's
 # out-of-memory killer), its node gone, or its result lost with it.

@@ -51,7 +51,7 @@ from pathlib import Path
 
 import torch
 
-from recursa.engines import hf_named_weights, weight_buckets
+from recursa.engines.weights import hf_named_weights, weight_buckets
 from recursa.errors import UserError
 from recursa.generation import GenerationStats, Sample, SamplingParams, _eos_ids
 from recursa.models import Policy

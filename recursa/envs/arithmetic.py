@@ -22,7 +22,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from recursa.envs.base import StepResult, extract_answer, last_number, normalise_number
+from recursa.answers import extract_answer, last_number, normalise_number
+from recursa.envs.protocol import StepResult
 from recursa.errors import UserError
 
 __all__ = ["ANSWER_FORMATS", "MAX_DIFFICULTY", "ArithmeticEnv", "ArithmeticItem", "make_item"]

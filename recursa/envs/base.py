@@ -27,12 +27,15 @@ from __future__ import annotations
 
 import difflib
 import functools
-import re
-from dataclasses import dataclass, field
-from decimal import Decimal, InvalidOperation
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import Any, Callable
 
+from recursa.answers import extract_answer, last_number, normalise_number  # noqa: F401  (answer parsing, re-exported for the envs)
+from recursa.envs.protocol import (  # noqa: F401  (the protocol, splits and action matching, re-exported)
+    SPLIT_SIZE, SPLITS, AgentEnv, Env, StepResult, answer_extractor, is_agent_env, match_admissible, normalize_action, protocol_gaps, split_of,
+    split_seed, split_seeds, system_prompt_of,
+)
 from recursa.errors import UserError
+from recursa.registry import Registry, entry_point_table, import_object, is_import_path, one_line  # noqa: F401  (re-exported)
 
 __all__ = [
     "SPLITS",
@@ -54,191 +57,6 @@ __all__ = [
     "split_seeds",
     "system_prompt_of",
 ]
-
-
-@dataclass
-class StepResult:
-    """What one `Env.step` returns.
-
-    `info` always holds: success (bool), answer (str, the reference answer), parsed
-    (str | None, what was read from the reply), note (str, "" unless something went wrong).
-    """
-
-    obs: str
-    reward: float
-    done: bool
-    info: dict[str, Any] = field(default_factory=dict)
-
-
-@runtime_checkable
-class Env(Protocol):
-    """A (possibly multi-turn) text environment.
-
-    Implementations may also set `system_prompt: str | None`, the system message the
-    rollout should use (None: the rollout's short default); read it with
-    `system_prompt_of(env)`. Single-turn tasks end on the first step (done=True). A
-    single-turn env may offer `reference() -> str | None`, a reply that solves the item
-    just reset (SFT's demonstrations; `recursa.demos` checks that it scores), and
-    `parse(reply) -> str | None`, the answer it reads in a reply whatever the current item
-    (what the self-consistency reward votes on, `recursa.self_rewards`).
-    """
-
-    name: str
-
-    def reset(self, seed: int) -> str:
-        """Start the episode for `seed`; return the first observation."""
-        ...
-
-    def step(self, action_text: str) -> StepResult:
-        """Apply the model's reply; return the next observation, reward and done flag."""
-        ...
-
-
-@runtime_checkable
-class AgentEnv(Env, Protocol):
-    """A multi-turn text game (TextWorldExpress, TextWorld, the built-in household).
-
-    Contract, beyond `Env`:
-
-    * `reset(seed)` returns the first observation and sets `task`, one line stating the
-      goal (the prompt keeps it even when history is truncated).
-    * `step(action)` takes one action string. An action that is not admissible (when the
-      game lists admissible actions) leaves the game state unchanged, returns reward
-      `-invalid_penalty` and info["invalid"] = True. After `max_steps` steps the episode
-      ends with done = True and won = False.
-    * `StepResult.info` always holds: won (bool), success (bool, = won), invalid (bool),
-      admissible (list[str] | None, the actions admissible in the new state), steps (int,
-      steps taken so far), score (float, the game's own score when it has one).
-    * `admissible_actions()` lists the actions admissible now (None when the game has no
-      such list); `walkthrough()` returns a list of actions that wins from the state right
-      after `reset` (the oracle; None when the game cannot provide one).
-    * Optional: `state_key()` returns a string that names the current game state; the
-      rollout uses it as GiGPO's anchor (two turns taken from equal keys are grouped).
-      Without it, the observation text the policy acted on is the anchor.
-    * Branching rollouts (`rollout.branch`, `recursa.branching`) assume the game is
-      deterministic: `reset(seed)` followed by the same actions gives the same observations
-      and rewards. A branch replays a sampled episode's first actions that way, and a replay
-      that differs stops the run with a one-line error.
-    """
-
-    task: str
-    max_steps: int
-    invalid_penalty: float
-
-    def admissible_actions(self) -> list[str] | None:
-        ...
-
-    def walkthrough(self) -> list[str] | None:
-        ...
-
-
-def system_prompt_of(env: Any) -> str | None:
-    """The env's `system_prompt` attribute, or None when it has none."""
-    value = getattr(env, "system_prompt", None)
-    return value if isinstance(value, str) else None
-
-
-# ---------------------------------------------------------------------------- seed splits
-
-SPLITS: tuple[str, ...] = ("train", "gate", "test")
-SPLIT_SIZE = 1_000_000_000
-_SPLIT_BASE = {name: i * SPLIT_SIZE for i, name in enumerate(SPLITS)}
-
-
-def _check_split(split: str) -> int:
-    if split not in _SPLIT_BASE:
-        raise UserError(f"unknown split {split!r}; choose one of: {', '.join(SPLITS)}")
-    return _SPLIT_BASE[split]
-
-
-def split_seed(split: str, index: int) -> int:
-    """The seed of item `index` of `split` (train: index, gate: 1e9 + index, test: 2e9 + index)."""
-    base = _check_split(split)
-    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < SPLIT_SIZE:
-        raise UserError(f"split index must be an int in [0, {SPLIT_SIZE}), got {index!r}")
-    return base + index
-
-
-def split_seeds(split: str, n: int, start: int = 0) -> list[int]:
-    """Seeds of items start .. start+n-1 of `split`."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise UserError(f"number of seeds must be a non-negative int, got {n!r}")
-    if n == 0:
-        _check_split(split)
-        return []
-    first = split_seed(split, start)
-    split_seed(split, start + n - 1)  # validates the end of the range
-    return list(range(first, first + n))
-
-
-def split_of(seed: int) -> str:
-    """The split a seed belongs to (the inverse of `split_seed`)."""
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < len(SPLITS) * SPLIT_SIZE:
-        raise UserError(
-            f"seed {seed!r} is outside every split; seeds are ints in [0, {len(SPLITS) * SPLIT_SIZE})"
-        )
-    return SPLITS[seed // SPLIT_SIZE]
-
-
-# ------------------------------------------------------------------------- answer parsing
-
-_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
-# A number: optional minus (not when glued to a preceding word/digit, so "5-3" reads 3),
-# then thousands-grouped digits or plain digits, then an optional decimal part.
-_NUMBER = re.compile(r"(?:(?<![\w.])-)?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?![\d])|(?:(?<![\w.])-)?\.\d+")
-
-
-def extract_answer(text: str) -> str | None:
-    """The stripped content of the last <answer>...</answer> tag in `text`, or None."""
-    matches = _ANSWER_TAG.findall(text or "")
-    return matches[-1].strip() if matches else None
-
-
-def normalise_number(text: str) -> str | None:
-    """Canonical form of a number string ("1,000" -> "1000", "-0" -> "0", "2.50" -> "2.5")."""
-    cleaned = text.strip().replace(",", "")
-    if cleaned.startswith("+"):
-        cleaned = cleaned[1:]
-    try:
-        value = Decimal(cleaned)
-    except InvalidOperation:
-        return None
-    if not value.is_finite():
-        return None
-    if value == 0:
-        return "0"
-    if value == value.to_integral_value():
-        return str(int(value))
-    return format(value.normalize(), "f")
-
-
-def last_number(text: str) -> str | None:
-    """The last integer or decimal in `text`, normalised (see `normalise_number`), or None."""
-    matches = _NUMBER.findall(text or "")
-    for match in reversed(matches):
-        value = normalise_number(match)
-        if value is not None:
-            return value
-    return None
-
-
-def one_line(text: str) -> str:
-    """Collapse all whitespace to single spaces (task lines, observations in logs)."""
-    return " ".join(str(text).split())
-
-
-def normalize_action(action: str) -> str:
-    """Lower-case and collapse whitespace: how adapters compare an action to the list."""
-    return " ".join(str(action).lower().split())
-
-
-def match_admissible(action: str, admissible: list[str] | None) -> str | None:
-    """The admissible action equal to `action` after `normalize_action`, else None."""
-    wanted = normalize_action(action)
-    for candidate in admissible or []:
-        if normalize_action(candidate) == wanted:
-            return candidate
-    return None
 
 
 class EnvPool:
@@ -289,65 +107,48 @@ def as_pool(envs: "EnvPool | Callable[[], Env]") -> EnvPool:
 
 # ------------------------------------------------------------------------------- registry
 
+# The table of envs by name: import paths, so that naming an env imports its adapter alone
+# (and validating a config imports none). Families take the part after their prefix as the
+# adapter's first argument.
 _BUILTINS: dict[str, str] = {
     "arithmetic": "built-in arithmetic; kwargs: difficulty=0..4, answer_format=last_number|tag|exact",
     "household": "ALFWorld-style home, multi-turn; kwargs: rooms, objects_per_room, distractors, tasks, max_steps",
 }
+_BUILTIN_PATHS = {"arithmetic": "recursa.envs.arithmetic:ArithmeticEnv", "household": "recursa.envs.household:HouseholdEnv"}
 _RG_PREFIX = "rg:"
 _TWX_PREFIX = "twx:"
 _TW_PREFIX = "textworld:"
 _PREFIXES = (_RG_PREFIX, _TWX_PREFIX, _TW_PREFIX)
-_CUSTOM: dict[str, tuple[Callable[..., "Env"], str]] = {}
-
+_FAMILIES = {_RG_PREFIX: "recursa.envs.reasoning_gym:ReasoningGymEnv", _TWX_PREFIX: "recursa.envs.twx:TWXEnv",
+             _TW_PREFIX: "recursa.envs.textworld_env:TextWorldEnv"}
 
 ENTRY_POINT_GROUP = "recursa.envs"
-_FACTORY_SPEC = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
+ENVS = Registry("env", "env.name", ENTRY_POINT_GROUP, {name: (_BUILTIN_PATHS[name], desc) for name, desc in _BUILTINS.items()})
+
+
+def _custom() -> dict:
+    """The envs registered in this process (`register_env`): name -> registry entry."""
+    return ENVS.registered()
 
 
 def is_factory_spec(spec: str) -> bool:
     """Whether `spec` names a factory by import path, 'pkg.module:attr' (and not a built-in
     family such as 'rg:<dataset>')."""
-    return isinstance(spec, str) and not spec.startswith(_PREFIXES) and bool(_FACTORY_SPEC.match(spec.strip()))
+    return isinstance(spec, str) and not spec.startswith(_PREFIXES) and is_import_path(spec)
 
 
 def entry_point_envs() -> dict[str, str]:
     """name -> 'pkg.module:attr' of every env an installed package registers under the
     `recursa.envs` entry-point group (pyproject: [project.entry-points."recursa.envs"])."""
-    from importlib.metadata import entry_points
-
-    out: dict[str, str] = {}
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        out.setdefault(ep.name, ep.value)
-    return out
-
-
-def import_object(target: str, what: str):
-    """The object 'pkg.module:attr' names; a one-line `UserError` naming `what` when the
-    module cannot be imported or lacks the attribute."""
-    import importlib
-
-    module_name, _, attr = target.strip().partition(":")
-    if not module_name or not attr:
-        raise UserError(f"{what} = {target!r}: expected 'package.module:function'")
-    try:
-        obj = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise UserError(f"{what} = {target!r}: cannot import module {module_name!r} ({one_line(exc)}); install the package or put it on PYTHONPATH") from None
-    except Exception as exc:  # the module's own code failed while importing
-        raise UserError(f"{what} = {target!r}: importing {module_name!r} failed: {type(exc).__name__}: {one_line(exc)}") from None
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise UserError(f"{what} = {target!r}: module {module_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    return obj
+    return entry_point_table(ENTRY_POINT_GROUP)
 
 
 def resolve_factory(spec: str) -> Callable[..., "Env"] | None:
     """The user factory `spec` names, or None for a built-in spec: an in-process registration
     (`register_env`), a 'pkg.module:attr' path, or an entry point of the `recursa.envs` group."""
     spec = spec.strip()
-    if spec in _CUSTOM:
-        return _CUSTOM[spec][0]
+    if spec in _custom():
+        return ENVS.get(spec)
     if is_factory_spec(spec):
         factory = import_object(spec, "env.name")
     elif spec in _BUILTINS or spec.startswith(_PREFIXES):
@@ -362,29 +163,12 @@ def resolve_factory(spec: str) -> Callable[..., "Env"] | None:
     return factory
 
 
-_ENV_METHODS = ("reset", "step")
-_AGENT_METHODS = ("admissible_actions", "walkthrough")
-
-
-def protocol_gaps(env: Any) -> list[str]:
-    """What `env` lacks to follow `Env` (name, reset(seed), step(action_text)); [] when
-    nothing. An env that has some of `AgentEnv`'s members must have all of them."""
-    gaps = [f"{m}()" for m in _ENV_METHODS if not callable(getattr(env, m, None))]
-    if not isinstance(getattr(env, "name", None), str):
-        gaps.append("a str attribute 'name'")
-    agentish = [m for m in _AGENT_METHODS if callable(getattr(env, m, None))]
-    if agentish:
-        gaps += [f"{m}() (AgentEnv)" for m in _AGENT_METHODS if m not in agentish]
-        gaps += [f"attribute {a!r} (AgentEnv)" for a in ("max_steps", "invalid_penalty") if not hasattr(env, a)]
-    return gaps
-
-
 def check_env(spec: str, kwargs: dict | None = None) -> None:
     """Config-load check of a user env spec ('pkg.module:attr' or an entry-point name): the
     factory imports, builds an env with `kwargs`, and the env follows the protocol; else a
     one-line `UserError` naming what is missing. Built-in and in-process specs are left to
     `make_env`."""
-    if not isinstance(spec, str) or spec.strip() in _CUSTOM:
+    if not isinstance(spec, str) or spec.strip() in _custom():
         return
     factory = resolve_factory(spec)
     if factory is None:
@@ -420,7 +204,7 @@ def register_env(name: str, factory: Callable[..., "Env"], description: str = ""
     tasks (an env is anything with `name`, `reset(seed)` and `step(action_text)`)."""
     if name in _BUILTINS or name.startswith(_PREFIXES):
         raise ValueError(f"{name!r} is a built-in env spec; register your env under another name")
-    _CUSTOM[name] = (factory, description or "user-registered env")
+    ENVS.register(name, factory, description=description or "user-registered env", replace=True)
 
 
 def _reasoning_gym_available() -> bool:
@@ -444,15 +228,14 @@ def list_reasoning_gym_datasets() -> list[str]:
     """All reasoning-gym dataset names (sorted); [] when reasoning-gym is not installed."""
     if not _reasoning_gym_available():
         return []
-    from recursa.envs.reasoning_gym import dataset_names
-
-    return dataset_names()
+    return import_object("recursa.envs.reasoning_gym:dataset_names", "env.name")()
 
 
 def list_envs() -> list[tuple[str, str]]:
     """(spec, one-line description) for every env family `make_env` understands."""
-    rows = list(_BUILTINS.items()) + [(k, d) for k, (_, d) in _CUSTOM.items()]
-    rows += [(k, f"entry point ({ENTRY_POINT_GROUP}): {v}") for k, v in sorted(entry_point_envs().items()) if k not in _CUSTOM and k not in _BUILTINS]
+    custom = _custom()
+    rows = list(_BUILTINS.items()) + [(k, e.description) for k, e in custom.items()]
+    rows += [(k, f"entry point ({ENTRY_POINT_GROUP}): {v}") for k, v in sorted(entry_point_envs().items()) if k not in custom and k not in _BUILTINS]
     names = list_reasoning_gym_datasets()
     if names:
         rows.append(
@@ -477,8 +260,7 @@ def list_envs() -> list[tuple[str, str]]:
     else:
         rows.append(("twx:<game>", "TextWorldExpress games (not installed: pip install textworld-express; needs Java)"))
     if _installed("textworld"):
-        from recursa.envs.textworld_env import GENERATORS
-
+        GENERATORS = import_object("recursa.envs.textworld_env:GENERATORS", "env.name")
         rows.append(
             (
                 "textworld:<generator>",
@@ -496,8 +278,8 @@ def env_factory(spec: str, **kwargs: Any) -> Callable[[], Env]:
     """A picklable zero-argument factory of the env `make_env(spec, **kwargs)` builds, for
     another process (a Ray rollout worker): a registered env's own factory with its kwargs
     (so the worker needs its module importable, not the registration), else `make_env`."""
-    if isinstance(spec, str) and spec.strip() in _CUSTOM:
-        return functools.partial(_CUSTOM[spec.strip()][0], **kwargs)
+    if isinstance(spec, str) and spec.strip() in _custom():
+        return functools.partial(ENVS.get(spec.strip()), **kwargs)
     return functools.partial(make_env, spec, **kwargs)  # a 'pkg.module:attr' or entry-point spec is re-imported by name there
 
 
@@ -516,32 +298,17 @@ def _make_env(spec: str, **kwargs: Any) -> Env:
     if not isinstance(spec, str):
         raise UserError(f"env spec must be a string like 'arithmetic' or 'rg:basic_arithmetic', got {spec!r}")
     spec = spec.strip()
-    if spec == "arithmetic":
-        from recursa.envs.arithmetic import ArithmeticEnv
-
-        return ArithmeticEnv(**kwargs)
-    if spec == "household":
-        from recursa.envs.household import HouseholdEnv
-
-        return HouseholdEnv(**kwargs)
+    if spec in _BUILTINS:
+        return ENVS.get(spec)(**kwargs)
     factory = resolve_factory(spec)  # register_env, 'pkg.module:attr', or a `recursa.envs` entry point
     if factory is not None:
-        return _build(spec, factory, kwargs) if spec not in _CUSTOM else factory(**kwargs)
-    if spec.startswith(_RG_PREFIX):
-        if not _reasoning_gym_available():
-            raise UserError(f"env {spec!r} needs reasoning-gym; install it with: pip install 'recursa[envs]'")
-        from recursa.envs.reasoning_gym import ReasoningGymEnv
-
-        return ReasoningGymEnv(spec[len(_RG_PREFIX) :].strip(), **kwargs)
-    if spec.startswith(_TWX_PREFIX):
-        from recursa.envs.twx import TWXEnv
-
-        return TWXEnv(spec[len(_TWX_PREFIX) :].strip(), **kwargs)
-    if spec.startswith(_TW_PREFIX):
-        from recursa.envs.textworld_env import TextWorldEnv
-
-        return TextWorldEnv(spec[len(_TW_PREFIX) :].strip(), **kwargs)
-    named = list(_BUILTINS) + list(_CUSTOM) + sorted(entry_point_envs())
+        return _build(spec, factory, kwargs) if spec not in _custom() else factory(**kwargs)
+    for prefix, path in _FAMILIES.items():
+        if spec.startswith(prefix):
+            if prefix == _RG_PREFIX and not _reasoning_gym_available():
+                raise UserError(f"env {spec!r} needs reasoning-gym; install it with: pip install 'recursa[envs]'")
+            return import_object(path, "env.name")(spec[len(prefix) :].strip(), **kwargs)
+    named = list(_BUILTINS) + list(_custom()) + sorted(entry_point_envs())
     known = named + ["rg:<dataset>", "twx:<game>", "textworld:<generator>", "pkg.module:factory"]
     close = difflib.get_close_matches(spec, named, n=3, cutoff=0.6)
     hint = f" (did you mean {', '.join(close)}?)" if close else ""

@@ -223,7 +223,7 @@ class DatasetEnv:
         self._done = True
         answer, note, fields = self.answer(), "", self.fields()
         if self.score_fn is not None:
-            from recursa.rewards import call_reward
+            from recursa.answers import call_reward
 
             score = call_reward(self.score_fn, self.scorer, [self._row[self.prompt_key]], [action_text], {k: [v] for k, v in fields.items()})[0]
             reward = 0.0 if score is None else float(score)

@@ -72,7 +72,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from recursa.envs.base import StepResult
+from recursa.envs.protocol import StepResult
 from recursa.errors import UserError
 
 __all__ = ["OPTIONS", "TASK_TYPES", "HouseholdEnv"]

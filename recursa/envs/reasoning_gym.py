@@ -29,7 +29,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from recursa.envs.base import StepResult, extract_answer
+from recursa.answers import extract_answer
+from recursa.envs.protocol import StepResult
 from recursa.errors import UserError
 
 __all__ = ["DEFAULT_INSTRUCTION", "ReasoningGymEnv", "dataset_names"]

@@ -131,7 +131,7 @@ class SupervisedEnv:
         raise AssertionError("unreachable")
 
     def step(self, action_text: str):
-        from recursa.envs.base import StepResult
+        from recursa.envs.protocol import StepResult
 
         object.__setattr__(self, "_steps", self._steps + 1)
         try:

@@ -63,7 +63,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterator
 
-from recursa.envs.base import StepResult, match_admissible, one_line, split_of
+from recursa.envs.protocol import StepResult, match_admissible, one_line, split_of
 from recursa.errors import UserError
 
 try:  # POSIX: one generator per game across processes; elsewhere atomic renames only
@@ -198,7 +198,7 @@ def _options_hash(gen: str, options: dict[str, Any]) -> str:
 def _cache_root(cache_dir: str | os.PathLike | None) -> Path:
     if cache_dir is not None:
         return Path(cache_dir)
-    from recursa.models import cache_dir as recursa_cache
+    from recursa.runio import cache_dir as recursa_cache
 
     return recursa_cache() / "textworld"
 

@@ -48,7 +48,7 @@ import re
 import shutil
 from typing import Any
 
-from recursa.envs.base import SPLIT_SIZE, StepResult, match_admissible, one_line, split_of
+from recursa.envs.protocol import SPLIT_SIZE, StepResult, match_admissible, one_line, split_of
 from recursa.errors import UserError
 
 __all__ = ["FOLDS", "TWXEnv", "game_names", "twx_fold_and_seed"]

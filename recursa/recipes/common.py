@@ -24,7 +24,7 @@ from recursa.generation import sequence_logprobs
 from recursa.models import Policy, count_parameters, load_policy, resolve_device
 from recursa.rollout import is_agent_env
 from recursa.runio import atomic_write_text, fault_point
-from recursa.store import RunStore, finished_checkpoints
+from recursa.store import RunStore, finished_checkpoints, run_checkpoint  # noqa: F401  (run_checkpoint: re-exported)
 from recursa.tracking import open_trackers
 from recursa.trajectory import TrainBatch
 
@@ -139,28 +139,6 @@ def init_weights_dir(cfg) -> Path | None:
     if not cfg.init.from_run:
         return None
     return run_checkpoint(cfg.init.from_run, cfg.init.checkpoint, cfg.model.name, "init.from_run", "init.checkpoint")
-
-
-def run_checkpoint(run_dir: str, checkpoint: str, model_name: str, key: str, checkpoint_key: str) -> Path:
-    """The finished checkpoint `checkpoint` ('last' or a step number) of the run in `run_dir`,
-    which must have trained `model_name`; else a one-line UserError naming the config key."""
-    from recursa.config import load_config
-
-    run = Path(run_dir)
-    if not (run / "config.toml").exists():
-        raise UserError(f"{key} = {str(run)!r}: no run there (no config.toml); train it first, e.g. recursa train examples/twx_twc_sft.toml")
-    source = load_config(run / "config.toml", check=False)
-    if source.model.name != model_name:
-        raise UserError(f"{key} = {str(run)!r} trained model {source.model.name!r}, but this config uses {model_name!r}: set model.name to match")
-    done = finished_checkpoints(run)
-    if not done:
-        raise UserError(f"{key} = {str(run)!r} has no finished checkpoint yet: let that run finish (or resume it) first")
-    if checkpoint == "last":
-        return done[-1]
-    want = run / "checkpoints" / f"step_{int(checkpoint):06d}"
-    if want not in done:
-        raise UserError(f"{checkpoint_key} = {checkpoint}: {run} has {[p.name for p in done]}")
-    return want
 
 
 @dataclass

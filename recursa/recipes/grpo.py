@@ -111,6 +111,9 @@ class Imitation:
     weights: torch.Tensor  # (N, L) aligned with the batch, 0 off the action tokens
     coef: float
 
+    def to(self, device: torch.device | str) -> "Imitation":
+        return Imitation(self.weights.detach().to(device), self.coef)
+
 
 @dataclass
 class Distillation:
