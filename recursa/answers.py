@@ -80,3 +80,16 @@ def call_reward(fn: Callable, name: str, prompts: list[str], completions: list[s
             raise UserError(f"reward function {name!r} returned {f} for completion {i}: rewards must be finite (None means 'does not apply')")
         values.append(f)
     return values
+
+
+def reward_function(func: str) -> Callable:
+    """The function a `[[reward]] func` names: 'pkg.module:function', or a name in
+    `recursa.plugins.REWARDS` (a 'recursa.rewards' entry point, or `REWARDS.register`); a
+    one-line UserError when it does not import or is not a function."""
+    from recursa.plugins import REWARDS
+    from recursa.registry import import_object, is_import_path
+
+    fn = import_object(func, "reward.func") if is_import_path(func) or func not in REWARDS else REWARDS.get(func)
+    if not callable(fn):
+        raise UserError(f"reward.func = {func!r} is not a function")
+    return fn

@@ -155,7 +155,7 @@ class RewardEntry(_Section):
     func: str | None = Field(
         None,
         description="kind = 'func' (required there): 'pkg.module:function' called as fn(prompts, completions, **item_fields) -> list[float | None] "
-        "(None: does not apply), or 'env' for the env's own reward (included with weight 1 unless an 'env' entry sets its weight)",
+        "(None: does not apply), a reward function registered by name (recursa.plugins.REWARDS, a 'recursa.rewards' entry point), or 'env' for the env's own reward (included with weight 1 unless an 'env' entry sets its weight)",
     )
     weight: float = Field(1.0, description="w_k in R = sum_k w_k r_k")
     name: str | None = Field(
@@ -209,7 +209,11 @@ class RewardEntry(_Section):
             return None
         value = value.strip()
         if value != "env" and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", value):
-            raise ValueError("must be 'env' or 'package.module:function'")
+            from recursa.plugins import REWARDS
+
+            if value not in REWARDS:
+                raise ValueError("must be 'env', 'package.module:function' or a registered reward function's name "
+                                 f"(registered: {', '.join(REWARDS.names()) or 'none'})")
         return value
 
     @field_validator("name")
@@ -362,17 +366,29 @@ OUTCOME_OBJECTIVES = ("rebel", "nft", "apo")  # read each sequence's reward and 
 
 
 class AlgoConfig(_Section):
-    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gopo", "gpg"] = Field(
-        "grpo", description="outcome advantage estimator (gpg: alpha x (r - group mean), alpha = groups / groups with unequal rewards)",
+    advantage: str = Field(
+        "grpo", description="outcome advantage estimator: grpo, dr_grpo, rloo, reinforce_pp, gopo, gpg (alpha x (r - group mean), alpha = groups / "
+        "groups with unequal rewards), or one registered by name (recursa.plugins.ADVANTAGES, a 'recursa.advantages' entry point; docs/extending.md)",
     )
-    objective: Literal["ppo", "spo", "gpg", "rebel", "nft", "apo"] = Field(
+    objective: str = Field(
         "ppo",
         description="the policy loss (docs/objectives.md): ppo, the clipped surrogate; spo, a quadratic penalty on the ratio in place of the "
         "clip; gpg, the plain policy gradient -A logp (GPG as published: with advantage = 'gpg'); rebel, pairs of a group regress their "
         "log-ratio difference / rebel_eta onto their reward difference; nft, likelihood on successes and on failures through the implicit "
         "negative policy; apo, A*-PO's regression of apo_beta x log(pi / pi_ref) onto r - V*(x). rebel, nft and apo read rewards and "
-        "success, not the advantage. The grpo recipe's option (rsipo keeps ppo)",
+        "success, not the advantage; or an objective registered by name (recursa.plugins.OBJECTIVES, a 'recursa.objectives' entry point; "
+        "docs/extending.md). The grpo recipe's option (rsipo keeps ppo)",
     )
+
+    @field_validator("advantage", "objective")
+    @classmethod
+    def _registered(cls, name: str, info) -> str:
+        from recursa.plugins import ADVANTAGES, OBJECTIVES
+
+        table = ADVANTAGES if info.field_name == "advantage" else OBJECTIVES
+        if name not in table:
+            raise ValueError(f"no {table.kind} named {name!r}; known: {', '.join(table.names())} (or register yours: docs/extending.md)")
+        return name
     spo_eps: float = Field(0.2, gt=0, description="objective 'spo': eps of the penalty |A| / (2 eps) (ratio - 1)^2 (the ratio's objective peaks at 1 + eps sign(A))")
     rebel_eta: float = Field(1.0, gt=0, description="objective 'rebel': eta in ((S_i - S_j) / eta - (r_i - r_j))^2, S the sequence log-ratio to the sampling policy")
     nft_neg_clamp: float = Field(
@@ -507,7 +523,7 @@ class GateSettings(_Section):
     and at the end, the current weights are a candidate against the last accepted weights,
     both scored greedily on `n` fresh gate-split items; exact one-sided McNemar test.
     Prompt proposals (`prompt_every`) and, in RSIPO, skill-library changes (`skills_every`)
-    are gated the same way (recursa/recipes/gating.py)."""
+    are gated the same way (recursa/methods/gating.py)."""
 
     mode: Literal["off", "log", "gate"] = Field("off", description="off; log: test and record, never roll back; gate: a rejection rolls weights and optimizer back to the incumbent")
     every: int = Field(4, gt=0, description="test a candidate every N steps (expert iteration: rounds), and always at the end")
@@ -831,7 +847,7 @@ def _check_test_looks(cfg, steps: int, extra_after: int = 0) -> None:
 
 
 class RLoopConfig(_Section):
-    """RLoop (`recursa/recipes/rloop.py`): the GRPO run is cut into RL phases of `rl_steps`
+    """RLoop (`recursa/methods/rloop.py`): the GRPO run is cut into RL phases of `rl_steps`
     steps. During a phase the successful episodes (games) or completions (single-turn tasks)
     are harvested; at its end the policy is reset to a starting point (`reset`) and
     fine-tuned on the harvest (rejection-sampling fine-tuning, as the rft recipe trains on
@@ -889,6 +905,26 @@ class GRPOConfig(RecipeBase):
     curriculum: CurriculumConfig = Field(default_factory=CurriculumConfig)
     rloop: RLoopConfig = Field(default_factory=RLoopConfig)
     anchor: AnchorConfig = Field(default_factory=AnchorConfig)
+    methods: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="training methods of your own, one table each: [methods.<name>] with the method's options as its keys; <name> is registered "
+        "with recursa.methods.METHODS.register or a 'recursa.methods' entry point (docs/extending.md). The built-in methods are switched by "
+        "their own sections ([curriculum], [rloop], [anchor], [gate], algo.igrpo)",
+    )
+
+    @model_validator(mode="after")
+    def _check_methods(self) -> "GRPOConfig":
+        from recursa.methods.base import METHODS
+
+        for name in self.methods:
+            entry = METHODS.entries().get(name)
+            if entry is None:
+                known = [n for n, e in METHODS.entries().items() if e.source != "built-in"]
+                raise ValueError(f"methods.{name}: no training method of that name is registered (registered: {', '.join(known) or 'none'}); "
+                                 "register it with recursa.methods.METHODS.register or a 'recursa.methods' entry point (docs/extending.md)")
+            if entry.source == "built-in":
+                raise ValueError(f"methods.{name}: {name!r} is a built-in method, switched on by its own config section; drop [methods.{name}]")
+        return self
 
     @model_validator(mode="after")
     def _check_rloop(self) -> "GRPOConfig":
@@ -1338,7 +1374,7 @@ def _format_validation(exc: ValidationError, source: str) -> str:
         return f"{source}: {msg.removeprefix('Value error, ')}"
     got = f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], dict) else ""
     more = f" [+{len(exc.errors()) - 1} more]" if len(exc.errors()) > 1 else ""
-    return f"{source}: {loc}: {msg}{got}; fix it in the file or with --set {loc}=...{more}"
+    return f"{source}: {loc}: {msg.removeprefix('Value error, ')}{got}; fix it in the file or with --set {loc}=...{more}"
 
 
 def check_kinds_task(kinds: list[str], env, task: str) -> None:
@@ -1373,14 +1409,15 @@ def check_plugins(cfg) -> None:
     """The user code a config names, checked at load: an env factory ('pkg.module:attr' or a
     `recursa.envs` entry point) imports and builds an env that follows the protocol, and every
     [[reward]] function imports; else a one-line UserError naming what is missing."""
+    from recursa.answers import reward_function
     from recursa.envs.base import check_env, import_object
     from recursa.envs.dataset import uses_dataset
 
     if not uses_dataset(cfg):
         check_env(cfg.env.name, cfg.env.kwargs)
     for entry in getattr(cfg, "reward", []):
-        if entry.kind == "func" and entry.func != "env" and not callable(import_object(entry.func, "reward.func")):
-            raise UserError(f"reward.func = {entry.func!r} is not a function")
+        if entry.kind == "func" and entry.func != "env":
+            reward_function(entry.func)  # imports, or is registered, and is a function
     if any(entry.kind != "func" for entry in getattr(cfg, "reward", [])):
         check_reward_task(cfg)  # single-turn, and answer extraction for self_consistency
     if uses_dataset(cfg) and cfg.data.scorer not in ("exact", "last_number"):

@@ -199,6 +199,17 @@ def _brackets(key: str, arrays: set[str]) -> str:
     return f"[[{key}]]" if key in arrays else f"[{key}]"
 
 
+def _top_level_tables() -> list[tuple[str, list[str], FieldInfo]]:
+    """(name, recipes, field) of the top-level keys that are free-form tables of tables
+    (`[methods.<name>]`), not sections of their own model."""
+    out: dict[str, tuple[list[str], FieldInfo]] = {}
+    for recipe, model in RECIPES.items():
+        for name, field in model.model_fields.items():
+            if name != "recipe" and _model_of(field.annotation) is None:
+                out.setdefault(name, ([], field))[0].append(recipe)
+    return [(name, recipes, field) for name, (recipes, field) in out.items()]
+
+
 def render() -> str:
     """The whole reference page as Markdown."""
     recipe_defaults = {name: model() for name, model in RECIPES.items()}
@@ -232,6 +243,12 @@ def render() -> str:
     out.append("")
     out.append("## `recipe`\n")
     out.append('The top-level key `recipe` names the recipe: `"grpo"` (the default when absent), `"rsipo"`, `"sft"` or `"rft"`.\n')
+    for name, recipes, field in _top_level_tables():
+        out.append(f"## `[{name}]` {{#{name}}}\n")
+        out.append(f"*Recipes: {', '.join(f'`{r}`' for r in recipes)}.* {_escape(field.description or '')}.\n")
+        out.append("| key | type | default | description |")
+        out.append("|---|---|---|---|")
+        out.append(f"| `{name}` | table of tables | `{{}}` | one `[{name}.<name>]` table per entry, its keys passed as options |\n")
     for key in order:
         variants = entries[key]
         level = "##" if "." not in key else "###"

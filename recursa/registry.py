@@ -104,6 +104,10 @@ class Registry:
                 out.setdefault(name, Entry(name, path, f"entry point ({self.group})", "entry point"))
         return out
 
+    def builtins(self) -> dict[str, Entry]:
+        """The table's built-in names."""
+        return dict(self._builtin)
+
     def registered(self) -> dict[str, Entry]:
         """The names registered in this process (`register`), in order."""
         return dict(self._registered)

@@ -47,7 +47,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from recursa.answers import call_reward  # noqa: F401  (a reward function called and its output checked; re-exported)
+from recursa.answers import call_reward, reward_function  # noqa: F401  (call_reward: a reward function called and its output checked; re-exported)
 from recursa.errors import UserError
 
 ENV = "env"
@@ -82,8 +82,6 @@ class RewardSet:
         `recursa.self_rewards.SelfRewardContext`."""
         if not entries:
             return None
-        from recursa.envs.base import import_object
-
         terms = []
         for e in entries:
             kind = getattr(e, "kind", "func")
@@ -94,7 +92,7 @@ class RewardSet:
 
                 terms.append(RewardTerm(e.name or kind, kind, e.weight, None, build_builtin(e, e.name or kind, context)))
                 continue
-            terms.append(RewardTerm(e.name or _default_name(e.func), e.func, e.weight, None if e.func == ENV else import_object(e.func, "reward.func")))
+            terms.append(RewardTerm(e.name or _default_name(e.func), e.func, e.weight, None if e.func == ENV else reward_function(e.func)))
         if not any(t.func == ENV for t in terms):
             terms.insert(0, RewardTerm(ENV, ENV, 1.0, None))
         names = [t.name for t in terms]

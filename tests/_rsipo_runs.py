@@ -39,7 +39,25 @@ def kill_in_update(monkeypatch, config, out: Path, at: int = 3) -> None:
             raise KeyboardInterrupt
         return real_update(*args, **kwargs)
 
-    monkeypatch.setattr(rsipo, "update", crash)
+    patch_rsipo(monkeypatch, "update", crash)
     with pytest.raises(KeyboardInterrupt):
         rsipo.train(config, out, log=lambda *_: None)
-    monkeypatch.setattr(rsipo, "update", real_update)
+    patch_rsipo(monkeypatch, "update", real_update)
+
+
+RSIPO_MODULES = ("recursa.recipes.rsipo", "recursa.methods.attempts", "recursa.methods.skills", "recursa.methods.hatch",
+                 "recursa.methods.wins", "recursa.methods.teacher")
+
+
+def patch_rsipo(monkeypatch, name: str, value) -> None:
+    """Replace `name` in the RSIPO recipe and in every module of its phases that binds it
+    (recursa/methods/: attempts, skills, hatch, wins, teacher), as a patch of one module
+    did when the recipe was one file."""
+    import importlib
+
+    hit = False
+    for module in map(importlib.import_module, RSIPO_MODULES):
+        if hasattr(module, name):
+            monkeypatch.setattr(module, name, value)
+            hit = True
+    assert hit, f"no RSIPO module binds {name!r}"

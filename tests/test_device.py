@@ -43,6 +43,8 @@ from recursa.models import load_policy, resolve_device
 from recursa.skills import ParsedSkill
 from recursa.trajectory import Trajectory, collate
 
+from _rsipo_runs import patch_rsipo
+
 REPO = Path(__file__).resolve().parent.parent
 RECURSA_DIR = str(Path(recursa.__file__).resolve().parent) + os.sep
 TORCH_DIR = str(Path(torch.__file__).resolve().parent) + os.sep
@@ -175,7 +177,7 @@ def _config(name: str, device: str, *extra: str):
 @pytest.mark.parametrize("name", sorted(RUNS))
 def test_every_tensor_is_made_on_the_policy_device(name, device, tmp_path, monkeypatch):
     module = RUNS[name][0]
-    monkeypatch.setattr(rsipo, "parse_skill", _valid_skill)
+    patch_rsipo(monkeypatch, "parse_skill", _valid_skill)
     out = tmp_path / name
     with device_guard():
         module.train(_config(name, device), out, log=lambda *_: None)

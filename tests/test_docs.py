@@ -44,7 +44,7 @@ def test_config_reference_lists_every_key():
         for prefix, name in keys(model):
             if name == "recipe":
                 continue
-            section = prefix.rstrip(".")
+            section = prefix.rstrip(".") or name  # a top-level table of tables ([methods]) is its own section
             start = page.index("{#" + section.replace(".", "") + "}")
             end = page.find("\n## ", start + 1)
             assert f"| `{name}` |" in page[start:end], f"{section}.{name} missing from its section"
@@ -172,7 +172,7 @@ def test_glossary_covers_every_key_the_recipes_write(written_keys):
 
 
 # String literals in the modules that write metrics: "group/name" or f"group/{...}".
-METRIC_SOURCES = ["recipes/*.py", "algorithms/*.py", "skills/*.py", "distributed/*.py", "rewards.py", "self_rewards.py", "envs/*.py", "branching.py",
+METRIC_SOURCES = ["recipes/*.py", "methods/*.py", "algorithms/*.py", "skills/*.py", "distributed/*.py", "rewards.py", "self_rewards.py", "envs/*.py", "branching.py",
                   "curriculum.py"]
 _LITERAL = re.compile(r"""(f?)"([a-z_{}]+/[A-Za-z0-9_@/{}<>.]*)\"""")
 _NOT_METRICS = re.compile(r"\.(json|jsonl|toml|md|png|safetensors|pt)$|^(checkpoints|incumbents|runs)/")

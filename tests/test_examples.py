@@ -16,6 +16,8 @@ import pytest
 
 from recursa.config import load_config
 
+from _rsipo_runs import patch_rsipo
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "examples").rglob("*.toml"))
 
@@ -91,7 +93,7 @@ def test_the_loop_examples_run_a_step_on_the_tiny_model(tmp_path, monkeypatch, n
     if name == "skills_gate_household":  # the tiny model writes junk: give its writer one valid rule, so the library changes and is gated
         from recursa.recipes import rsipo
 
-        monkeypatch.setattr(rsipo, "parse_skill", lambda reply, w, c: rsipo.ParsedSkill("Take the object, then put it in the target.", True, "ok", 8, 0))
+        patch_rsipo(monkeypatch, "parse_skill", lambda reply, w, c: rsipo.ParsedSkill("Take the object, then put it in the target.", True, "ok", 8, 0))
     cfg = load_config(ROOT / "examples" / f"{name}.toml", [*TINY, *sets])
     run = importlib.import_module(f"recursa.recipes.{cfg.recipe}").train(cfg, tmp_path / name, log=lambda *_: None)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

@@ -14,6 +14,8 @@ from recursa.models import load_policy
 from recursa.recipes import grpo, rft
 from recursa.store import RunStore
 
+from _rsipo_runs import patch_rsipo
+
 DIGITS = ["model.name=tiny-random", "env.name=toy-digits", "sampling.max_new_tokens=8", "train.prompts_per_step=4",
           "train.group_size=8", "train.micro_batch_size=32"]
 
@@ -124,7 +126,7 @@ def test_gated_grpo_accepts_real_gains_and_reports_the_test_gain(tmp_path):
 
 
 def test_prompt_proposal_parsing_and_request():
-    from recursa.recipes.gating import parse_prompt_proposal, prompt_proposal_request
+    from recursa.methods.gating import parse_prompt_proposal, prompt_proposal_request
 
     req = prompt_proposal_request("Reply with one action.", [("Your task is to: reach room 3.", "dance")], 200)
     assert "Current instruction: Reply with one action." in req and "Answered: dance" in req and req.endswith("INSTRUCTION:")
@@ -137,7 +139,7 @@ def test_prompt_proposal_parsing_and_request():
 def _fake_scores(monkeypatch, good: str):
     """Scores that depend only on the prompt text: `good` solves every item, others none."""
     from recursa.evaluate import EvalItem, summarize
-    from recursa.recipes.gating import PromptGate
+    from recursa.methods.gating import PromptGate
 
     def score(self, policy, text, split, seeds, label):
         return summarize([EvalItem(s, float(text == good), text == good) for s in seeds], "toy", split, label, "m", "model", 0.0)
@@ -191,7 +193,7 @@ def test_rsipo_prompt_round_adopts_and_the_next_step_plays_it(tmp_path, monkeypa
         seen.append((system, cfg.agent.instruction))
         return real_play(policy, pool, seeds, shown, sampling, gen, system, cfg, *args, **kwargs)
 
-    monkeypatch.setattr(rsipo, "play", play)
+    patch_rsipo(monkeypatch, "play", play)
     base = ["model.name=tiny-random", "sampling.max_new_tokens=4", "train.prompts_per_step=2", "train.group_size=2", "run.threads=1",
             "skills.candidates=2", "skills.write_per_group=1", "eval.n=0", "gate.mode=gate", "gate.every=100", "gate.n=16",
             "gate.prompt_every=1", "gate.prompt_select_n=4", "run.checkpoint_every=1"]
@@ -221,7 +223,8 @@ def test_rsipo_prompt_round_scores_with_the_skills_in_context(tmp_path, monkeypa
     """With skills.in_context every prompt-gate item is evaluated with the skill hint the
     policy is shown for it (the same hints function as rollouts and evaluations)."""
     from recursa.evaluate import EvalItem, summarize
-    from recursa.recipes import gating, rsipo
+    from recursa.methods import gating
+    from recursa.recipes import rsipo
 
     calls = []
 
@@ -231,7 +234,7 @@ def test_rsipo_prompt_round_scores_with_the_skills_in_context(tmp_path, monkeypa
 
     monkeypatch.setattr(gating, "evaluate", evaluate)
     monkeypatch.setattr(gating.PromptGate, "propose", lambda self, policy, failures, gen: (["Walk east, one room at a time."], 0))
-    monkeypatch.setattr(rsipo, "parse_skill", lambda reply, w, c: rsipo.ParsedSkill("Go east to reach the last room.", True, "ok", 7, 0))
+    patch_rsipo(monkeypatch, "parse_skill", lambda reply, w, c: rsipo.ParsedSkill("Go east to reach the last room.", True, "ok", 7, 0))
     cfg = load_config(None, ["model.name=tiny-random", "env.name=toy-corridor", "env.kwargs.max_steps=3", "sampling.max_new_tokens=4",
                              "train.prompts_per_step=2", "train.group_size=2", "run.threads=1", "skills.candidates=2", "skills.write_per_group=1",
                              "skills.in_context=true", "skills.replay_reward=false", "eval.n=0", "gate.mode=log", "gate.every=100", "gate.n=4",
@@ -264,7 +267,7 @@ def _skill_learning(monkeypatch, texts: dict[int, str]):
         out.metrics = {"skills/library_size": float(len(library))}
         return out
 
-    monkeypatch.setattr(rsipo, "learn_skills", learn)
+    patch_rsipo(monkeypatch, "learn_skills", learn)
 
 
 def _skill_scores(monkeypatch, calls: list | None = None):
@@ -272,7 +275,7 @@ def _skill_scores(monkeypatch, calls: list | None = None):
     policy solves the even seeds; GOOD solves everything; BAD solves every odd seed but
     breaks every fourth even one (seed % 8 == 0)."""
     from recursa.evaluate import EvalItem, summarize
-    from recursa.recipes.gating import SkillGate
+    from recursa.methods.gating import SkillGate
 
     def score(self, policy, library, seeds, label):
         texts = {s.text for s in library.active()}
@@ -294,7 +297,7 @@ def _skill_rounds(lin):
 
 
 def test_draw_probes_and_the_stratified_gain_by_hand():
-    from recursa.recipes.gating import draw_probes, stratified_gain
+    from recursa.methods.gating import draw_probes, stratified_gain
 
     screened = [(10, True), (11, False), (12, True), (13, True), (14, False), (15, True)]
     assert draw_probes(screened, 4) == ([11, 14], [10, 12])

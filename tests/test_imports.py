@@ -13,14 +13,19 @@ ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "recursa"
 
 # the pure layer: math, data types and text functions; they import only each other
-PURE = {"recursa.errors", "recursa.registry", "recursa.answers", "recursa.stats", "recursa.trajectory", "recursa.agent", "recursa.skills.sanitize"}
+PURE = {"recursa.errors", "recursa.registry", "recursa.plugins", "recursa.answers", "recursa.stats", "recursa.trajectory", "recursa.agent", "recursa.skills.sanitize"}
 PURE_PACKAGES = ("recursa.algorithms",)
 # the environments know nothing of configs, models, rollouts or recipes
 ENVS_MAY_IMPORT = ("recursa.envs", "recursa.runio")
-# config validation asks the env registry and the pure layer; it loads no model and runs no recipe
-CONFIG_MAY_IMPORT = ("recursa.envs", "recursa.agent")
+# config validation asks the registries (envs, methods) and the pure layer; it loads no model and runs no recipe
+CONFIG_MAY_IMPORT = ("recursa.envs", "recursa.agent", "recursa.methods.base")
 # only the top of the stack runs recipes
-RECIPE_USERS = ("recursa.recipes", "recursa.cli", "recursa.export", "recursa.distributed.worker")
+RECIPE_USERS = ("recursa.recipes", "recursa.methods", "recursa.cli", "recursa.export", "recursa.distributed.worker")
+
+
+def test_the_methods_protocol_imports_only_the_pure_layer():
+    bad = _breaks(GRAPH, lambda m: m == "recursa.methods.base", _pure)
+    assert not bad, bad
 
 
 def module_name(path: Path) -> str:

@@ -21,7 +21,8 @@ from recursa.config import ModelConfig, load_config
 from recursa.errors import UserError
 from recursa.generation import sequence_logprobs
 from recursa.models import load_policy
-from recursa.recipes.grpo import Outcomes, draft_hint, draft_hints, update
+from recursa.methods.igrpo import draft_hint, draft_hints
+from recursa.recipes.grpo import Outcomes, update
 
 LN = math.log
 

@@ -21,7 +21,7 @@ from recursa.models import load_policy, restore_weights
 from recursa.recipes import grpo, sft
 from recursa.recipes.common import make_optimizer, step_generator
 from recursa.recipes.rft import Attempt, finetune
-from recursa.recipes.rloop import RLoop, cap_harvest, phase_of, reset_source, select_successes
+from recursa.methods.rloop import RLoop, cap_harvest, phase_of, reset_source, select_successes
 from recursa.store import RunStore
 from recursa.trajectory import Trajectory
 

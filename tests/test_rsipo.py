@@ -41,6 +41,7 @@ from _rsipo_runs import FAST, VOLATILE, kill_in_update
 from _rsipo_runs import cfg as _cfg
 from _rsipo_runs import rows as _rows
 from _rsipo_runs import train_rows as _train_rows
+from _rsipo_runs import patch_rsipo
 
 REPO = Path(__file__).resolve().parent.parent
 ABLATIONS = sorted((REPO / "examples" / "rsipo_ablations").glob("*.toml"))
@@ -210,7 +211,7 @@ def test_recipe_with_skills_in_context(tmp_path, monkeypatch):
     """A skill admitted at step 1 is in the policy's prompts at step 2 (and in the replay
     buffer's contexts); step 1, with an empty library, is the run without the option."""
     text = "Write digits only, one digit per item."
-    monkeypatch.setattr(rsipo, "parse_skill", lambda reply, w, c: ParsedSkill(text, True, "ok", len(text.split()), 0))
+    patch_rsipo(monkeypatch, "parse_skill", lambda reply, w, c: ParsedSkill(text, True, "ok", len(text.split()), 0))
     sets = ["env.name=toy-digits", "train.steps=2", "train.prompts_per_step=2", "train.group_size=2", "skills.write_per_group=1", "skills.candidates=2",
             "eval.n=4", "eval.before=false"]
     from recursa.recipes import common
@@ -366,7 +367,7 @@ def test_recipe_with_the_skill_teacher(tmp_path, monkeypatch, env):
     teacher term enters the token advantages."""
     text = GOOD_SKILL if env == "toy-corridor" else "Write digits only, one digit per item."
     G = 2 if env == "toy-corridor" else 4
-    monkeypatch.setattr(rsipo, "parse_skill", lambda reply, w, c: ParsedSkill(text, True, "ok", len(text.split()), 0))
+    patch_rsipo(monkeypatch, "parse_skill", lambda reply, w, c: ParsedSkill(text, True, "ok", len(text.split()), 0))
     cfg = _cfg(f"env.name={env}", "env.kwargs.max_steps=3" if env == "toy-corridor" else "env.kwargs={}", "agent.history_turns=1", "train.steps=2",
                "train.prompts_per_step=2", f"train.group_size={G}", "skills.write_per_group=1", "skills.candidates=2", "trust.prior_mean=0.75",
                "sampling.max_new_tokens=8")
@@ -396,7 +397,7 @@ def test_recipe_with_the_skill_teacher(tmp_path, monkeypatch, env):
 
 
 def test_calibrated_trust_starts_at_zero_and_fixed_trust_does_not(tmp_path, monkeypatch):
-    monkeypatch.setattr(rsipo, "parse_skill", _always_valid)
+    patch_rsipo(monkeypatch, "parse_skill", _always_valid)
     base = ["env.name=toy-corridor", "env.kwargs.max_steps=3", "train.steps=1", "train.prompts_per_step=2", "train.group_size=2", "skills.candidates=2"]
     calibrated = _train_rows(rsipo.train(_cfg(*base), tmp_path / "cal", log=lambda *_: None))[0]
     fixed = _train_rows(rsipo.train(_cfg(*base, "trust.mode=fixed"), tmp_path / "fix", log=lambda *_: None))[0]
@@ -420,7 +421,7 @@ def test_malformed_skills_never_crash_a_step(tmp_path, monkeypatch, tiny_policy)
             s.logprobs = [-1.0] * len(s.token_ids)
         return out
 
-    monkeypatch.setattr(rsipo, "generate", junk)
+    patch_rsipo(monkeypatch, "generate", junk)
     cfg = _cfg("env.name=toy-digits", "train.steps=1", "train.prompts_per_step=2", "train.group_size=4", "skills.candidates=8", "skills.write_per_group=1",
                "skills.max_chars=200")
     run = rsipo.train(cfg, tmp_path / "junk", log=lambda *_: None)
@@ -509,7 +510,7 @@ def test_centred_delta_reaches_the_trust_trials(tmp_path, monkeypatch):
         seen.append(list(mean_delta))
         return real(groups, mean_delta, outcome, is_source, threshold)
 
-    monkeypatch.setattr(rsipo, "agreement_trials", spy)
+    patch_rsipo(monkeypatch, "agreement_trials", spy)
     G = 4
     for center in ("none", "group"):
         rsipo.train(_cfg("env.name=arithmetic", "train.steps=1", "train.prompts_per_step=2", f"train.group_size={G}", "teacher.source=reference",
@@ -524,7 +525,7 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, monkeypatch, env):
     """Crash in step 3's update (after that step admitted skills, grew the replay buffer and
     updated trust), resume from the step-2 checkpoint: every metric, written skill, replayed
     attempt, the library and the trust state equal those of an uninterrupted run."""
-    monkeypatch.setattr(rsipo, "parse_skill", lambda reply, w, c: ParsedSkill(f"Write digits, go east, reach room {len(reply) % 3}.", True, "ok", 7, 0))
+    patch_rsipo(monkeypatch, "parse_skill", lambda reply, w, c: ParsedSkill(f"Write digits, go east, reach room {len(reply) % 3}.", True, "ok", 7, 0))
     game = ["env.kwargs.max_steps=3"] if env == "toy-corridor" else ["sampling.max_new_tokens=8"]
     cfg = _cfg(f"env.name={env}", *game, "train.steps=3", "train.prompts_per_step=2", "train.group_size=4", "skills.candidates=2",
                "skills.write_per_group=1", "run.checkpoint_every=2", "trust.prior_mean=0.75", "skills.buffer_size=12")
@@ -723,7 +724,7 @@ def test_writing_rows_do_not_dilute_the_policy_gradient(agg):
 
 
 def test_kl_to_the_reference_with_rsipo(tmp_path, monkeypatch):
-    monkeypatch.setattr(rsipo, "parse_skill", _always_valid)
+    patch_rsipo(monkeypatch, "parse_skill", _always_valid)
     cfg = _cfg("env.name=toy-digits", "train.steps=1", "train.group_size=4", "train.epochs=2", "algo.kl_coef=0.1", "skills.candidates=2")
     (row,) = _train_rows(rsipo.train(cfg, tmp_path / "kl", log=lambda *_: None))
     assert row["policy/kl"] > 0 and row["skills/writing_rows"] > 0  # the second epoch moved away from the reference

@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-import recursa.distributed.rollouts
+import recursa.distributed.local
 import recursa.recipes.rsipo as rsipo
 from recursa.algorithms.distill import imitation_loss
 from recursa.config import load_config
@@ -28,6 +28,7 @@ from _rsipo_runs import FAST, VOLATILE, kill_in_update
 from _rsipo_runs import cfg as _cfg
 from _rsipo_runs import rows as _rows
 from _rsipo_runs import train_rows as _train_rows
+from _rsipo_runs import patch_rsipo
 
 GOOD_SKILL = "Go east to reach the last room."
 
@@ -106,7 +107,7 @@ def test_hinted_rerolls_train_under_the_unhinted_prompt_by_hand(tiny_policy, mon
     assert not played.success.any()  # a random model never reaches the exit: both groups all-fail
     played.rewards = played.rewards - 0.2  # every episode scores -0.3 (three invalid actions): a lower baseline makes R - b != 0
     captured, real = [], rsipo.rollout_episodes
-    monkeypatch.setattr(rsipo, "rollout_episodes", lambda *a, **k: captured.append(real(*a, **k)) or captured[-1])
+    patch_rsipo(monkeypatch, "rollout_episodes", lambda *a, **k: captured.append(real(*a, **k)) or captured[-1])
     hinted = rsipo.hinted_rerolls(tiny_policy, pool, played, seeds, None, SkillLibrary(":memory:"), sampling, gen, cfg, None, True, 0)
     (ero,) = captured
     assert hinted.episodes == len(ero.episodes) == 4 and hinted.metrics["hatch/groups"] == hinted.metrics["hatch/hinted_groups"] == 2
@@ -170,7 +171,7 @@ def test_hatch_win_hints_reach_the_rerolls(tiny_policy, monkeypatch):
     task = played.attempts[0].task
     hints = []
     real = rsipo.rollout_episodes
-    monkeypatch.setattr(rsipo, "rollout_episodes", lambda *a, **k: hints.append(k.get("hints")) or real(*a, **k))
+    patch_rsipo(monkeypatch, "rollout_episodes", lambda *a, **k: hints.append(k.get("hints")) or real(*a, **k))
     none = rsipo.hinted_rerolls(tiny_policy, pool, played, seeds, None, SkillLibrary(":memory:"), sampling, gen, cfg, None, True, 0, buffer=[])
     assert none.episodes == 0 and none.metrics["hatch/hinted_groups"] == 0 and hints == []  # no win yet: nothing to show, nothing re-rolled
     win = _won(task, ["go east", "go east"], seed=99)
@@ -185,12 +186,12 @@ def test_effect_rewards_in_the_recipe_play_the_related_games_and_count_them(tmp_
     the skill in its prompts; the episodes count in episodes/sampled and budget/episodes (they
     are not trained on); each candidate's logged reward is the mean of R - b over those games."""
     text = "Write digits only, one digit per item."
-    monkeypatch.setattr(rsipo, "parse_skill", _valid(text))
+    patch_rsipo(monkeypatch, "parse_skill", _valid(text))
     plays, steps = [], []
     real_play, real_step = rsipo.hinted_episode_rewards, rsipo.play
-    monkeypatch.setattr(rsipo, "hinted_episode_rewards", lambda policy, pool, seeds, hints, *a: plays.append((seeds, hints, r := real_play(policy, pool, seeds, hints, *a)))
+    patch_rsipo(monkeypatch, "hinted_episode_rewards", lambda policy, pool, seeds, hints, *a: plays.append((seeds, hints, r := real_play(policy, pool, seeds, hints, *a)))
                         or r)
-    monkeypatch.setattr(rsipo, "play", lambda policy, pool, seeds, *a: steps.append((list(seeds), p := real_step(policy, pool, seeds, *a))) or p)
+    patch_rsipo(monkeypatch, "play", lambda policy, pool, seeds, *a: steps.append((list(seeds), p := real_step(policy, pool, seeds, *a))) or p)
     B, G, K, M = 3, 2, 2, 2
     sets = [f"env.name={env}", "train.steps=2", f"train.prompts_per_step={B}", f"train.group_size={G}", f"skills.candidates={K}", "skills.write_per_group=1",
             f"skills.effect_games={M}", "skills.length_penalty=0"]
@@ -218,10 +219,10 @@ def test_effect_rewards_in_the_recipe_play_the_related_games_and_count_them(tmp_
 
 
 def test_hatch_in_the_recipe_counts_the_rerolls_and_trains_them(tmp_path, monkeypatch):
-    monkeypatch.setattr(rsipo, "parse_skill", _valid("Write digits only, one digit per item."))
+    patch_rsipo(monkeypatch, "parse_skill", _valid("Write digits only, one digit per item."))
     seen = []
     real = rsipo.update
-    monkeypatch.setattr(rsipo, "update", lambda policy, opt, batch, *a, **k: seen.append(batch) or real(policy, opt, batch, *a, **k))
+    patch_rsipo(monkeypatch, "update", lambda policy, opt, batch, *a, **k: seen.append(batch) or real(policy, opt, batch, *a, **k))
     B, G, k = 3, 2, 3
     cfg = _cfg("env.name=toy-digits", "train.steps=2", f"train.prompts_per_step={B}", f"train.group_size={G}", "hatch.enabled=true", "hatch.hint=reflection",
                f"hatch.rerolls={k}", "skills.enabled=false", "teacher.source=none", "teacher.lam=0")
@@ -247,7 +248,7 @@ def test_max_episodes_caps_the_rerolls_and_ends_the_run_early(tmp_path, monkeypa
     advance. train.max_episodes re-rolls only as many groups as the cap has room for, and the
     run ends after the last step whose B x G episodes fit, with its checkpoint and the after
     evaluation; resuming the finished run trains nothing more."""
-    monkeypatch.setattr(rsipo, "parse_skill", _valid("Write digits only, one digit per item."))
+    patch_rsipo(monkeypatch, "parse_skill", _valid("Write digits only, one digit per item."))
     B, G, k, cap = 4, 2, 2, 30
     cfg = _cfg("env.name=toy-parity", "train.steps=6", f"train.prompts_per_step={B}", f"train.group_size={G}", "hatch.enabled=true",
                "hatch.hint=reflection", f"hatch.rerolls={k}", "skills.enabled=false", "teacher.source=none", "teacher.lam=0",
@@ -290,12 +291,12 @@ def test_max_episodes_in_grpo_and_its_rules(tmp_path):
 
 @pytest.mark.parametrize("hint", ["reflection", "skill"])
 def test_hatch_hints_written_or_retrieved_by_the_policy(tmp_path, monkeypatch, hint):
-    monkeypatch.setattr(rsipo, "parse_skill", _valid(GOOD_SKILL))
+    patch_rsipo(monkeypatch, "parse_skill", _valid(GOOD_SKILL))
     prompts = []
     real = rsipo.rollout_episodes
     spy = lambda *a, **kw: prompts.append(kw.get("hints")) or real(*a, **kw)  # noqa: E731
-    monkeypatch.setattr(rsipo, "rollout_episodes", spy)  # the hinted re-rolls
-    monkeypatch.setattr(recursa.distributed.rollouts, "rollout_episodes", spy)  # the step's own rollout, through the rollout backend
+    patch_rsipo(monkeypatch, "rollout_episodes", spy)  # the hinted re-rolls
+    monkeypatch.setattr(recursa.distributed.local, "rollout_episodes", spy)  # the step's own rollout, through the rollout backend
     cfg = _cfg(*CORRIDOR, "train.steps=1", "train.prompts_per_step=2", "train.group_size=2", "hatch.enabled=true", f"hatch.hint={hint}", "skills.candidates=2",
                "skills.write_per_group=1")
     (row,) = _train_rows(rsipo.train(cfg, tmp_path / hint, log=lambda *_: None))
@@ -314,9 +315,9 @@ def test_routing_gates_the_teacher_and_replays_stored_wins(tmp_path, monkeypatch
     mean of -log pi over their actions."""
     seen = {}
     real_update, real_set = rsipo.update, rsipo.set_advantages
-    monkeypatch.setattr(rsipo, "update", lambda policy, opt, batch, cfg, gen, step, imitation=None, **kw: seen.update(batch=batch, imitation=imitation)
+    patch_rsipo(monkeypatch, "update", lambda policy, opt, batch, cfg, gen, step, imitation=None, **kw: seen.update(batch=batch, imitation=imitation)
                         or real_update(policy, opt, batch, cfg, gen, step, imitation, **kw))
-    monkeypatch.setattr(rsipo, "set_advantages", lambda *a: seen.update(args=a) or real_set(*a))
+    patch_rsipo(monkeypatch, "set_advantages", lambda *a: seen.update(args=a) or real_set(*a))
     B = 6
     base = ["env.name=toy-parity", "train.steps=1", f"train.prompts_per_step={B}", "train.group_size=2", "teacher.source=reference", "skills.enabled=false",
             "trust.mode=fixed"]
@@ -414,11 +415,11 @@ def test_skills_from_wins_only_in_the_recipe(tmp_path):
 
 def test_contrastive_writing_in_the_recipe(tmp_path, monkeypatch):
     text = "When the item is odd, reply short, not long."
-    monkeypatch.setattr(rsipo, "parse_skill", _valid(text))
+    patch_rsipo(monkeypatch, "parse_skill", _valid(text))
     prompts, real = [], rsipo.generate
-    monkeypatch.setattr(rsipo, "generate", lambda model, tok, ps, *a, **k: prompts.extend(tok.decode(p) for p in ps) or real(model, tok, ps, *a, **k))
+    patch_rsipo(monkeypatch, "generate", lambda model, tok, ps, *a, **k: prompts.extend(tok.decode(p) for p in ps) or real(model, tok, ps, *a, **k))
     sources, real_trials = [], rsipo.agreement_trials
-    monkeypatch.setattr(rsipo, "agreement_trials", lambda g, d, o, is_source, t: sources.append(is_source) or real_trials(g, d, o, is_source, t))
+    patch_rsipo(monkeypatch, "agreement_trials", lambda g, d, o, is_source, t: sources.append(is_source) or real_trials(g, d, o, is_source, t))
     cfg = _cfg("env.name=toy-coin", "train.steps=1", "train.prompts_per_step=2", "train.group_size=4", "skills.contrastive=true", "skills.candidates=2",
                "sampling.max_new_tokens=6", "skills.write_per_group=1")
     run = rsipo.train(cfg, tmp_path / "contrast", log=lambda *_: None)
@@ -435,7 +436,7 @@ def test_contrastive_writing_in_the_recipe(tmp_path, monkeypatch):
 
 
 def test_curator_rejects_single_actions_in_the_recipe(tmp_path, monkeypatch):
-    monkeypatch.setattr(rsipo, "parse_skill", lambda reply, w, c: ParsedSkill("Go east." if len(reply) % 2 else GOOD_SKILL, True, "ok", 3, 0))
+    patch_rsipo(monkeypatch, "parse_skill", lambda reply, w, c: ParsedSkill("Go east." if len(reply) % 2 else GOOD_SKILL, True, "ok", 3, 0))
     cfg = _cfg(*CORRIDOR, "train.steps=1", "train.prompts_per_step=2", "train.group_size=2", "skills.curate=true", "skills.candidates=4")
     run = rsipo.train(cfg, tmp_path / "curate", log=lambda *_: None)
     (row,) = _train_rows(run)
@@ -468,7 +469,7 @@ def test_curator_merges_near_duplicates_and_retires_useless_skills():
 
 def test_eval_both_records_the_library_effect(tmp_path, monkeypatch):
     text = "Write digits only, one digit per item."
-    monkeypatch.setattr(rsipo, "parse_skill", _valid(text))
+    patch_rsipo(monkeypatch, "parse_skill", _valid(text))
     from recursa.recipes import common
 
     hints, real = [], common.evaluate
@@ -490,7 +491,7 @@ def test_cli_eval_with_a_runs_skills(tmp_path, monkeypatch, capsys):
     from recursa.cli import main
 
     text = "Write digits only, one digit per item."
-    monkeypatch.setattr(rsipo, "parse_skill", _valid(text))
+    patch_rsipo(monkeypatch, "parse_skill", _valid(text))
     run = rsipo.train(_cfg("env.name=toy-digits", "train.steps=1", "train.prompts_per_step=2", "train.group_size=2", "skills.write_per_group=1",
                            "skills.candidates=2"), tmp_path / "run", log=lambda *_: None)
     hints, real = [], evaluate_module.evaluate
@@ -514,7 +515,7 @@ def test_cli_eval_with_a_runs_skills(tmp_path, monkeypatch, capsys):
 def test_resume_with_every_signal_on(tmp_path, monkeypatch):
     """Crash in step 3's update, resume from the step-2 checkpoint: metrics (the sampled-episode
     count included), skills, replay, library and state equal those of an uninterrupted run."""
-    monkeypatch.setattr(rsipo, "parse_skill", lambda reply, w, c: ParsedSkill(f"When in room {len(reply) % 3}, go east, not west.", True, "ok", 8, 0))
+    patch_rsipo(monkeypatch, "parse_skill", lambda reply, w, c: ParsedSkill(f"When in room {len(reply) % 3}, go east, not west.", True, "ok", 8, 0))
     cfg = _cfg("env.name=toy-coin", "sampling.max_new_tokens=6", "train.steps=3", "train.prompts_per_step=2", "train.group_size=4", "skills.candidates=2",
                "skills.write_per_group=1", "run.checkpoint_every=2", "trust.prior_mean=0.75", "hatch.enabled=true", "route.mode=pass_rate",
                "teacher.critical=from", "skills.contrastive=true", "skills.curate=true", "skills.retire_grace_steps=1")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from recursa.lineage import Lineage, format_tree
-from recursa.recipes.gating import parse_prompt_proposal
+from recursa.methods.gating import parse_prompt_proposal
 from recursa.skills import SkillLibrary, parse_skill
 from recursa.skills.sanitize import escape_special_tokens, has_special_token, sanitize, strip_controls
 

@@ -186,11 +186,14 @@ ESTIMATORS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 
 def compute_advantages(name: str, rewards: torch.Tensor) -> torch.Tensor:
-    """Dispatch to the estimator called ``name`` (default arguments).  (B, G) -> (B, G)"""
-    try:
-        estimator = ESTIMATORS[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown advantage estimator {name!r}; valid choices are {sorted(ESTIMATORS)}"
-        ) from None
+    """Dispatch to the estimator called ``name`` (default arguments): a built-in of
+    `ESTIMATORS`, or one registered in `recursa.plugins.ADVANTAGES` (a `recursa.advantages`
+    entry point, or `ADVANTAGES.register`).  (B, G) -> (B, G)"""
+    estimator = ESTIMATORS.get(name)
+    if estimator is None:
+        from recursa.plugins import ADVANTAGES
+
+        if name not in ADVANTAGES:
+            raise ValueError(f"unknown advantage estimator {name!r}; valid choices are {sorted(ADVANTAGES.names())}")
+        estimator = ADVANTAGES.get(name)
     return estimator(rewards)

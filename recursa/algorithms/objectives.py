@@ -42,11 +42,12 @@ weights before every optimizer step.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
-from recursa.algorithms.losses import LOG_RATIO_CLAMP, Count, _check_mask, aggregate, kl_estimate, masked_mean
+from recursa.algorithms.losses import LOG_RATIO_CLAMP, Count, _check_mask, aggregate, kl_estimate, masked_mean, ppo_clip_loss
 
 __all__ = [
     "NFT_RATE_CLIP",
@@ -326,3 +327,97 @@ def sequence_surrogate(logp: torch.Tensor, mask: torch.Tensor, weights: torch.Te
     w = _row_values(weights, logp, "weights")
     linear = torch.where(keep, w * logp, torch.zeros_like(logp)).sum()
     return linear - linear.detach() + share
+
+
+# ----------------------------------------------------------------------------- the objectives as the update calls them
+#
+# The update (recursa/recipes/grpo.py) hands each micro-batch to the objective algo.objective
+# names (recursa.plugins.OBJECTIVES) as a `MicroBatch`; an objective returns its loss and the
+# stats clip_frac, kl, approx_kl_old and ratio_max. NFT and the sequence objectives (REBEL,
+# A*-PO) read the sequences' outcomes (`Outcomes`) instead of the advantage.
+
+
+@dataclass
+class Outcomes:
+    """The sampled sequences' outcomes, which the objectives 'rebel', 'nft' and 'apo' read instead
+    of the advantage: each sequence's reward and verdict, and the sequence of each training row
+    (a game's turns are rows of their episode; a single-turn row is its own sequence)."""
+
+    rewards: torch.Tensor  # (B, G) the training reward of each sequence (the env's, or the [[reward]] sum)
+    success: torch.Tensor  # (B, G) 1.0 where it succeeded (answer correct, game won), else 0.0
+    row_seq: torch.Tensor  # (N,) long: the sequence b * G + g each row of the batch belongs to
+
+    def to(self, device: torch.device | str) -> "Outcomes":
+        return Outcomes(self.rewards.to(device), self.success.to(device), self.row_seq.to(device))
+
+    def per_row(self, values: torch.Tensor) -> torch.Tensor:
+        """(B, G) per-sequence values -> (N,) per row."""
+        return values.reshape(-1)[self.row_seq]
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch as an objective (`recursa.plugins.OBJECTIVES`) reads it; the per-row inputs of NFT and
+    of the sequence objectives are set only for them."""
+
+    logp: torch.Tensor  # (b, T) current policy, grad flows
+    logp_old: torch.Tensor  # (b, T) the policy the rows were sampled from
+    mask: torch.Tensor  # (b, T) 1 at action tokens
+    advantages: torch.Tensor  # (b,) or (b, T)
+    logp_ref: torch.Tensor | None  # (b, T) reference policy, when the update keeps one
+    token_weights: torch.Tensor | None  # (b, T) truncated importance weights (rollout.tis_cap)
+    num_tokens: int  # action tokens of the whole mini-batch (aggregation denominators)
+    num_seqs: int  # rows of the whole mini-batch
+    norm_len: int  # sampling.max_new_tokens, seq-mean-token-sum-norm's constant
+    positive: torch.Tensor | None = None  # (b,) NFT: 1.0 where the row's sequence succeeded
+    pass_rate: torch.Tensor | None = None  # (b,) NFT: the success rate of its task group
+    seq_weight: torch.Tensor | None = None  # (b,) REBEL, A*-PO: dL/dS of the row's sequence at the current weights
+    seq_share: float = 0.0  # REBEL, A*-PO: these rows' share of the loss value L(S)
+
+
+def ppo_objective(mb: MicroBatch, ac) -> tuple[torch.Tensor, dict]:
+    return ppo_clip_loss(
+        mb.logp, mb.logp_old, mb.advantages, mb.mask, clip_low=ac.clip_low, clip_high=ac.clip_high, dual_clip=ac.dual_clip, agg=ac.agg,
+        num_tokens=mb.num_tokens, num_seqs=mb.num_seqs, norm_len=mb.norm_len, logp_ref=mb.logp_ref, kl_coef=ac.kl_coef,
+        kl_estimator=ac.kl_estimator, token_weights=mb.token_weights,
+    )
+
+
+def spo_objective(mb: MicroBatch, ac) -> tuple[torch.Tensor, dict]:
+    return spo_loss(
+        mb.logp, mb.logp_old, mb.advantages, mb.mask, eps=ac.spo_eps, agg=ac.agg, num_tokens=mb.num_tokens, num_seqs=mb.num_seqs,
+        norm_len=mb.norm_len, logp_ref=mb.logp_ref, kl_coef=ac.kl_coef, kl_estimator=ac.kl_estimator, token_weights=mb.token_weights,
+    )
+
+
+def gpg_objective(mb: MicroBatch, ac) -> tuple[torch.Tensor, dict]:
+    return pg_loss(mb.logp, mb.logp_old, mb.advantages, mb.mask, agg=ac.agg, num_tokens=mb.num_tokens, num_seqs=mb.num_seqs,
+                   norm_len=mb.norm_len, token_weights=mb.token_weights)
+
+
+def nft_objective(mb: MicroBatch, ac) -> tuple[torch.Tensor, dict]:
+    return nft_loss(mb.logp, mb.logp_old, mb.positive, mb.pass_rate, mb.mask, neg_clamp=ac.nft_neg_clamp, agg=ac.agg,
+                    num_tokens=mb.num_tokens, num_seqs=mb.num_seqs, norm_len=mb.norm_len, token_weights=mb.token_weights)
+
+
+def sequence_objective(mb: MicroBatch, ac) -> tuple[torch.Tensor, dict]:
+    loss = sequence_surrogate(mb.logp, mb.mask, mb.seq_weight, mb.seq_share)
+    return loss, ratio_stats(mb.logp, mb.logp_old, mb.mask, mb.logp_ref, ac.kl_estimator)
+
+
+
+
+def _rebel(seq_logratio: torch.Tensor, outcomes: Outcomes, ac) -> torch.Tensor:
+    B, G = outcomes.rewards.shape
+    groups = torch.arange(B, device=seq_logratio.device).repeat_interleave(G)  # sequence b * G + g is in group b
+    return rebel_loss(seq_logratio, outcomes.rewards.reshape(-1), groups, ac.rebel_eta)
+
+
+def _apo(seq_logratio: torch.Tensor, outcomes: Outcomes, ac) -> torch.Tensor:
+    # V*(x) from the group's own rewards: the stand-in for A*-PO's offline samples of pi_ref (docs/objectives.md)
+    targets = outcomes.rewards - apo_values(outcomes.rewards, ac.apo_value_beta).unsqueeze(1)  # (B, G): r - V*(x)
+    return apo_loss(seq_logratio, targets.reshape(-1), ac.apo_beta)
+
+
+# algo.objective -> L(S), a loss of the sequences' log-ratios S (to the sampling policy for REBEL, to the reference for A*-PO)
+SEQUENCE_LOSSES: dict[str, Callable[[torch.Tensor, Outcomes, object], torch.Tensor]] = {"rebel": _rebel, "apo": _apo}

@@ -35,7 +35,8 @@ from recursa.envs.protocol import (  # noqa: F401  (the protocol, splits and act
     split_seed, split_seeds, system_prompt_of,
 )
 from recursa.errors import UserError
-from recursa.registry import Registry, entry_point_table, import_object, is_import_path, one_line  # noqa: F401  (re-exported)
+from recursa.plugins import ENVS
+from recursa.registry import entry_point_table, import_object, is_import_path, one_line  # noqa: F401  (re-exported)
 
 __all__ = [
     "SPLITS",
@@ -110,11 +111,7 @@ def as_pool(envs: "EnvPool | Callable[[], Env]") -> EnvPool:
 # The table of envs by name: import paths, so that naming an env imports its adapter alone
 # (and validating a config imports none). Families take the part after their prefix as the
 # adapter's first argument.
-_BUILTINS: dict[str, str] = {
-    "arithmetic": "built-in arithmetic; kwargs: difficulty=0..4, answer_format=last_number|tag|exact",
-    "household": "ALFWorld-style home, multi-turn; kwargs: rooms, objects_per_room, distractors, tasks, max_steps",
-}
-_BUILTIN_PATHS = {"arithmetic": "recursa.envs.arithmetic:ArithmeticEnv", "household": "recursa.envs.household:HouseholdEnv"}
+_BUILTINS: dict[str, str] = {name: e.description for name, e in ENVS.builtins().items()}
 _RG_PREFIX = "rg:"
 _TWX_PREFIX = "twx:"
 _TW_PREFIX = "textworld:"
@@ -122,8 +119,7 @@ _PREFIXES = (_RG_PREFIX, _TWX_PREFIX, _TW_PREFIX)
 _FAMILIES = {_RG_PREFIX: "recursa.envs.reasoning_gym:ReasoningGymEnv", _TWX_PREFIX: "recursa.envs.twx:TWXEnv",
              _TW_PREFIX: "recursa.envs.textworld_env:TextWorldEnv"}
 
-ENTRY_POINT_GROUP = "recursa.envs"
-ENVS = Registry("env", "env.name", ENTRY_POINT_GROUP, {name: (_BUILTIN_PATHS[name], desc) for name, desc in _BUILTINS.items()})
+ENTRY_POINT_GROUP = ENVS.group
 
 
 def _custom() -> dict:

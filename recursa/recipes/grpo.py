@@ -1,35 +1,30 @@
-"""The GRPO-family recipe, written out.
+"""The GRPO-family recipe, written out as the stages of a step (`train`):
 
     for step in range(steps):
-        seeds      <- B training seeds for this step ([curriculum]: drawn from the arms by learning
-                      progress or a schedule, and a share re-offered from the never-solved tail
-                      with a hint in the prompt; recursa/curriculum.py)
-        rollout    -> B x G trajectories (token ids, action masks, sampler log-probs, rewards);
-                      for multi-turn games B x G episodes, one training row per turn; played
-                      in this process or on Ray workers (`distributed`, recursa/distributed/)
-        [branches  <- rollout.branch, games: from a turn of each group's first episodes, K
-                      continuations (reset + replay of the action prefix), recursa/branching.py]
-        rewards    <- the env's reward, or the weighted sum of the [[reward]] entries (recursa/rewards.py): your
-                      functions, or rewards without a verifier (recursa/self_rewards.py: majority vote,
-                      the policy's own verdict, the warm start's log-ratio to the base model)
-        advantages <- estimator(rewards  # (B, G))            grpo | dr_grpo | rloo | reinforce_pp | gopo | gpg
-                      (+ GiGPO's step term per turn, for games; with branches, the estimator
-                      over each seed's roots and continuations + w x the estimator within each
-                      branch on the turns from the branch point, recursa/algorithms/branching.py)
-        update     <- epochs x mini-batches of the objective's loss (`algo.objective`: PPO-clip by
-                      default; SPO, GPG, REBEL, NFT, A*-PO through the table `LOSSES`; minus
-                      `algo.entropy_coef` x the entropy at the action tokens), micro-batched
-                      with gradient accumulation, each distinct prompt computed once per micro-batch
-        [rloop     <- `rloop.enabled`: the step's successes join the harvest; every `rloop.rl_steps`
-                      steps the phase ends: reset to the phase's starting weights, fine-tune on
-                      the harvest, and RL goes on from there (recursa/recipes/rloop.py)]
-        publish    <- the new weights to the rollout engine (`rollout.engine`; nothing to do for
-                      the native sampler, which runs on the trainer's own module)
-        evaluate   <- every `eval.every` steps, and before / after training
-        checkpoint <- every `run.checkpoint_every` steps and at the end
+        1 tasks      <- B training seeds (a seeded shuffle of the train split), or a method's
+                        (the curriculum's arms and tail re-offers); methods may set the prompts'
+                        hints (iGRPO's best drafts)
+        2 sample     -> B x G trajectories (token ids, action masks, sampler log-probs); for
+                        multi-turn games B x G episodes, one training row per turn; in this
+                        process or on Ray workers (recursa/distributed/); with rollout.branch,
+                        K continuations from a turn of each group's first episodes
+        3 score      <- the env's reward, or the weighted sum of the [[reward]] entries
+                        (recursa/rewards.py, recursa/self_rewards.py)
+        4 advantages <- algo.advantage by name (recursa.plugins.ADVANTAGES) over each group
+                        (+ GiGPO's step term for games; with branches, the branch term)
+        5 update     <- epochs x mini-batches of algo.objective's loss by name
+                        (recursa.plugins.OBJECTIVES: PPO-clip by default; SPO, GPG, REBEL, NFT,
+                        A*-PO), minus algo.entropy_coef x the entropy, plus a method's update
+                        term (the anchor), micro-batched with gradient accumulation, each
+                        distinct prompt computed once per micro-batch
+        6 publish    -> the new weights to the rollout engine
+        7 record     -> metrics and samples; the methods' end of step (RLoop's fine-tune at a
+                        phase's end, the prompt round, the weights gate); the checkpoint with
+                        every method's state; the evaluation every eval.every steps
 
-With `algo.igrpo`, the rollout is preceded by iGRPO's draft stage (`draft_hints`): drafts per
-task, the best of them shown in the prompt of the rollout the update trains on.
+The optional methods are plug-ins (recursa/methods/, `GRPO_METHODS` below, and the user's
+[methods.<name>] tables): each implements the hooks of `recursa.methods.Method` it needs, and
+this loop calls them at the stage each hook names without knowing which are on.
 
 Every random draw of step k comes from a generator seeded by (train.seed, k), so a run
 resumed from a checkpoint replays exactly what an uninterrupted run would have done.
@@ -45,7 +40,6 @@ import dataclasses
 import functools
 import random
 import time
-from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -55,24 +49,20 @@ import torch
 from recursa.algorithms.advantages import compute_advantages
 from recursa.algorithms.distill import distribution_loss, imitation_loss
 from recursa.algorithms.gigpo import step_advantages
-from recursa.algorithms.losses import entropy_bonus, ppo_clip_loss, truncated_is_weights
-from recursa.algorithms.objectives import (
-    apo_loss, apo_values, nft_loss, pg_loss, ratio_stats, rebel_loss, sequence_sums, sequence_surrogate, sequence_weights, spo_loss,
-)
-from recursa.anchor import Anchor, check_anchor, make_anchor, won_episodes
+from recursa.algorithms.losses import entropy_bonus, truncated_is_weights
+from recursa.algorithms.objectives import SEQUENCE_LOSSES, MicroBatch, Outcomes, sequence_sums, sequence_weights
+from recursa.anchor import Anchor
 from recursa.branching import branch_metrics, branched_advantages, sample_branches
 from recursa.config import OUTCOME_OBJECTIVES, GRPOConfig
-from recursa.curriculum import Curriculum, check_curriculum
 from recursa.distributed.ddp import SINGLE, DataParallel, SingleProcess
 from recursa.distributed.rollouts import make_rollouts
 from recursa.engines import make_engine
 from recursa.envs import split_seed
-from recursa.envs.arms import arm_of
 from recursa.generation import GenerationStats, SamplingParams, prefix_lengths, sequence_logprobs, shared_prefix_logprobs
+from recursa.methods.base import RunContext, StepEnd, check_methods, open_methods
 from recursa.models import Policy
+from recursa.plugins import OBJECTIVES
 from recursa.recipes.common import Progress, budget_left, check_finite, ends_run, eval_before, lr_at, mid_eval, mid_eval_due, mid_eval_missing, open_run, run_eval, step_generator
-from recursa.recipes.gating import PromptGate, WeightsGate
-from recursa.recipes.rloop import RLoop
 from recursa.rewards import RewardSet, score_episodes, score_trajectories
 from recursa.self_rewards import SelfRewardContext
 from recursa.trajectory import Episode, TrainBatch, Trajectory, collate
@@ -132,96 +122,6 @@ class Distillation:
         return Distillation(self.ids.to(device), self.teacher.to(device), self.weights.to(device), self.coef, self.kind)
 
 
-@dataclass
-class Outcomes:
-    """The sampled sequences' outcomes, which the objectives 'rebel', 'nft' and 'apo' read instead
-    of the advantage: each sequence's reward and verdict, and the sequence of each training row
-    (a game's turns are rows of their episode; a single-turn row is its own sequence)."""
-
-    rewards: torch.Tensor  # (B, G) the training reward of each sequence (the env's, or the [[reward]] sum)
-    success: torch.Tensor  # (B, G) 1.0 where it succeeded (answer correct, game won), else 0.0
-    row_seq: torch.Tensor  # (N,) long: the sequence b * G + g each row of the batch belongs to
-
-    def to(self, device: torch.device | str) -> "Outcomes":
-        return Outcomes(self.rewards.to(device), self.success.to(device), self.row_seq.to(device))
-
-    def per_row(self, values: torch.Tensor) -> torch.Tensor:
-        """(B, G) per-sequence values -> (N,) per row."""
-        return values.reshape(-1)[self.row_seq]
-
-
-@dataclass
-class MicroBatch:
-    """One micro-batch as the objectives' losses (`LOSSES`) read it; the per-row inputs of NFT and
-    of the sequence objectives are set only for them."""
-
-    logp: torch.Tensor  # (b, T) current policy, grad flows
-    logp_old: torch.Tensor  # (b, T) the policy the rows were sampled from
-    mask: torch.Tensor  # (b, T) 1 at action tokens
-    advantages: torch.Tensor  # (b,) or (b, T)
-    logp_ref: torch.Tensor | None  # (b, T) reference policy, when the update keeps one
-    token_weights: torch.Tensor | None  # (b, T) truncated importance weights (rollout.tis_cap)
-    num_tokens: int  # action tokens of the whole mini-batch (aggregation denominators)
-    num_seqs: int  # rows of the whole mini-batch
-    norm_len: int  # sampling.max_new_tokens, seq-mean-token-sum-norm's constant
-    positive: torch.Tensor | None = None  # (b,) NFT: 1.0 where the row's sequence succeeded
-    pass_rate: torch.Tensor | None = None  # (b,) NFT: the success rate of its task group
-    seq_weight: torch.Tensor | None = None  # (b,) REBEL, A*-PO: dL/dS of the row's sequence at the current weights
-    seq_share: float = 0.0  # REBEL, A*-PO: these rows' share of the loss value L(S)
-
-
-def _ppo(mb: MicroBatch, ac) -> tuple[torch.Tensor, dict]:
-    return ppo_clip_loss(
-        mb.logp, mb.logp_old, mb.advantages, mb.mask, clip_low=ac.clip_low, clip_high=ac.clip_high, dual_clip=ac.dual_clip, agg=ac.agg,
-        num_tokens=mb.num_tokens, num_seqs=mb.num_seqs, norm_len=mb.norm_len, logp_ref=mb.logp_ref, kl_coef=ac.kl_coef,
-        kl_estimator=ac.kl_estimator, token_weights=mb.token_weights,
-    )
-
-
-def _spo(mb: MicroBatch, ac) -> tuple[torch.Tensor, dict]:
-    return spo_loss(
-        mb.logp, mb.logp_old, mb.advantages, mb.mask, eps=ac.spo_eps, agg=ac.agg, num_tokens=mb.num_tokens, num_seqs=mb.num_seqs,
-        norm_len=mb.norm_len, logp_ref=mb.logp_ref, kl_coef=ac.kl_coef, kl_estimator=ac.kl_estimator, token_weights=mb.token_weights,
-    )
-
-
-def _gpg(mb: MicroBatch, ac) -> tuple[torch.Tensor, dict]:
-    return pg_loss(mb.logp, mb.logp_old, mb.advantages, mb.mask, agg=ac.agg, num_tokens=mb.num_tokens, num_seqs=mb.num_seqs,
-                   norm_len=mb.norm_len, token_weights=mb.token_weights)
-
-
-def _nft(mb: MicroBatch, ac) -> tuple[torch.Tensor, dict]:
-    return nft_loss(mb.logp, mb.logp_old, mb.positive, mb.pass_rate, mb.mask, neg_clamp=ac.nft_neg_clamp, agg=ac.agg,
-                    num_tokens=mb.num_tokens, num_seqs=mb.num_seqs, norm_len=mb.norm_len, token_weights=mb.token_weights)
-
-
-def _sequence(mb: MicroBatch, ac) -> tuple[torch.Tensor, dict]:
-    loss = sequence_surrogate(mb.logp, mb.mask, mb.seq_weight, mb.seq_share)
-    return loss, ratio_stats(mb.logp, mb.logp_old, mb.mask, mb.logp_ref, ac.kl_estimator)
-
-
-# algo.objective -> the micro-batch loss: (MicroBatch, AlgoConfig) -> (loss, stats with clip_frac, kl, approx_kl_old, ratio_max)
-LOSSES: dict[str, Callable[[MicroBatch, object], tuple[torch.Tensor, dict]]] = {
-    "ppo": _ppo, "spo": _spo, "gpg": _gpg, "nft": _nft, "rebel": _sequence, "apo": _sequence,
-}
-
-
-def _rebel(seq_logratio: torch.Tensor, outcomes: Outcomes, ac) -> torch.Tensor:
-    B, G = outcomes.rewards.shape
-    groups = torch.arange(B, device=seq_logratio.device).repeat_interleave(G)  # sequence b * G + g is in group b
-    return rebel_loss(seq_logratio, outcomes.rewards.reshape(-1), groups, ac.rebel_eta)
-
-
-def _apo(seq_logratio: torch.Tensor, outcomes: Outcomes, ac) -> torch.Tensor:
-    # V*(x) from the group's own rewards: the stand-in for A*-PO's offline samples of pi_ref (docs/objectives.md)
-    targets = outcomes.rewards - apo_values(outcomes.rewards, ac.apo_value_beta).unsqueeze(1)  # (B, G): r - V*(x)
-    return apo_loss(seq_logratio, targets.reshape(-1), ac.apo_beta)
-
-
-# algo.objective -> L(S), a loss of the sequences' log-ratios S (to the sampling policy for REBEL, to the reference for A*-PO)
-SEQUENCE_LOSSES: dict[str, Callable[[torch.Tensor, Outcomes, object], torch.Tensor]] = {"rebel": _rebel, "apo": _apo}
-
-
 def update(
     policy: Policy,
     optimizer: torch.optim.Optimizer,
@@ -243,8 +143,9 @@ def update(
     `DataParallel` learner every rank runs its slice of each mini-batch's rows and rank 0
     steps (`recursa.distributed.ddp`); the stats are the whole batch's, on rank 0.
 
-    `algo.objective` picks the micro-batch loss from `LOSSES` (PPO-clip by default); 'rebel',
-    'nft' and 'apo' read `outcomes` instead of the advantage. The sequence objectives ('rebel',
+    `algo.objective` names the micro-batch loss in `recursa.plugins.OBJECTIVES` (PPO-clip by
+    default, or an objective of yours); 'rebel', 'nft' and 'apo' read `outcomes` instead of the
+    advantage. The sequence objectives ('rebel',
     'apo', `SEQUENCE_LOSSES`) are losses L(S) of whole sequences' log-ratios: before every
     optimizer step S is computed for every sequence at the current weights, and each row's
     loss is weighted by dL/dS of its sequence (`objectives.sequence_weights`), which gives
@@ -256,6 +157,7 @@ def update(
     `rollout.tis_cap` they weight each token's surrogate by min(exp(logp_trainer -
     logp_engine), cap) (truncated importance sampling, `losses.truncated_is_weights`)."""
     tc, ac = cfg.train, cfg.algo
+    objective = OBJECTIVES.get(ac.objective)  # the micro-batch loss (recursa.plugins: a built-in, or yours by name)
     sequence_objective = ac.objective in SEQUENCE_LOSSES
     if ac.objective in OUTCOME_OBJECTIVES and outcomes is None:
         raise ValueError(f"algo.objective = {ac.objective!r} reads the rollout's outcomes: pass outcomes=Outcomes(...)")
@@ -357,7 +259,7 @@ def update(
                     inputs.positive, inputs.pass_rate = positive[idx], pass_rate[idx]
                 if sequence_objective:
                     inputs.seq_weight, inputs.seq_share = seq_weight[idx], seq_value * len(idx) / len(work)
-                loss, st = LOSSES[ac.objective](inputs, ac)
+                loss, st = objective(inputs, ac)
                 if ac.entropy_coef > 0:
                     loss = loss + entropy_bonus(ent, mb.action_mask, ac.entropy_coef, ac.agg, num_tokens=num_tokens, num_seqs=len(mb_idx),
                                                 norm_len=cfg.sampling.max_new_tokens)
@@ -558,44 +460,6 @@ def _score(logprobs, model, batch: TrainBatch, temperature: float, micro: int, c
     return learner.sum_rows(out)
 
 
-def draft_hint(draft: str, reward: float, max_chars: int) -> str:
-    """iGRPO's framing of the best draft, shown after the task (a single-turn question, or a
-    game's task line): the draft clipped to `max_chars` characters, and its reward."""
-    text = " ".join(draft.split()) or "(empty)"
-    if len(text) > max_chars:
-        text = text[: max_chars - 3].rstrip() + "..."
-    return f"Your best earlier attempt (reward {reward:.2f}): {text}\nImprove on it."
-
-
-def draft_hints(rollouts, seeds: list[int], cfg: GRPOConfig, sampling: SamplingParams, gen: torch.Generator, system_prompt: str | None,
-                multi_turn: bool, reward_set: RewardSet | None, step: int) -> tuple[list[str], dict]:
-    """iGRPO's first stage: `algo.igrpo_drafts` drafts per task, scored by the training reward
-    (the env's, or the [[reward]] sum) and never trained on; the highest-rewarded draft of each
-    task (the first of ties) becomes its hint (`draft_hint`: a completion, or a game's actions
-    joined by ' > '). Returns the B hints and the igrpo/* metrics."""
-    D = cfg.algo.igrpo_drafts
-    if multi_turn:
-        episodes = rollouts.episodes(seeds, D, sampling, gen, system_prompt, cfg.agent).episodes
-        texts = [" > ".join(t.action for t in e.turns) for e in episodes]
-        totals = score_episodes(reward_set, episodes).totals if reward_set is not None else [e.total_reward for e in episodes]
-        won = [e.won for e in episodes]
-    else:
-        drafts = rollouts.rollout(seeds, D, sampling, gen, system_prompt).trajectories
-        if reward_set is not None:
-            score_trajectories(reward_set, drafts)
-        texts, totals, won = [t.completion_text for t in drafts], [t.reward for t in drafts], [t.success for t in drafts]
-    rewards = torch.tensor(totals, dtype=torch.float32, device="cpu").view(len(seeds), D)  # (B, D)
-    check_finite(step + 1, draft_rewards=rewards)
-    best = rewards.argmax(dim=1).tolist()  # the first maximum of each row
-    hints = [draft_hint(texts[b * D + k], float(rewards[b, k]), cfg.algo.igrpo_draft_chars) for b, k in enumerate(best)]
-    metrics = {
-        "igrpo/draft_reward_mean": rewards.mean().item(),
-        "igrpo/best_draft_reward_mean": rewards.amax(dim=1).mean().item(),
-        "igrpo/draft_success_rate": sum(won) / len(won),
-    }
-    return hints, metrics
-
-
 @dataclass
 class Played:
     """One step's rollouts, scored and turned into training rows: what the update, the step's
@@ -614,6 +478,7 @@ class Played:
     episode_metrics: dict = dataclasses.field(default_factory=dict)
     reward_metrics: dict = dataclasses.field(default_factory=dict)
     branches: object | None = None  # branching.Branches when rollout.branch is on
+    failures: list = dataclasses.field(default_factory=list)  # (context, reply) of the failed root sequences, what prompt proposals read
 
     @property
     def wins(self) -> list[list[bool]]:
@@ -622,26 +487,13 @@ class Played:
         return [self.success[i * G : (i + 1) * G] for i in range(B)]
 
 
-def success_strata(cfg: GRPOConfig):
-    """seed -> the stratum of self-imitation's wins (`anchor.source = "successes"`): the name of
-    the curriculum arm the seed's task comes from, or '' without arms."""
-    if cfg.curriculum.mode == "off" or not cfg.curriculum.arms:
-        return lambda seed: ""
-    names = cfg.curriculum.arm_names()
-
-    def stratum(seed: int) -> str:
-        arm = arm_of(seed, len(names))
-        return names[arm] if arm is not None else ""
-    return stratum
-
-
 def play_games(rollouts, seeds: list[int], cfg: GRPOConfig, sampling: SamplingParams, gen: torch.Generator, system_prompt: str | None,
-               hints: list[str] | None, reward_set: RewardSet | None, step: int, failures: deque) -> Played:
+               hints: list[str] | None, reward_set: RewardSet | None, step: int) -> Played:
     """A step of a multi-turn game: G episodes of each game seed form a group; the episode's
     advantage is broadcast over every action token of every turn (+ GiGPO's step term when
     asked), and each turn is one training row. With `rollout.branch`, K continuations from a
     turn of each group's first episodes are played too (recursa/branching.py). The failed
-    episodes' last observations join `failures` (what the prompt gate's proposals read)."""
+    episodes' last observations and actions are its `failures` (what the prompt gate reads)."""
     B, G = len(seeds), cfg.train.group_size
     ero = rollouts.episodes(seeds, G, sampling, gen, system_prompt, cfg.agent, hints=hints)
     episodes, gen_stats = ero.episodes, ero.stats
@@ -670,22 +522,22 @@ def play_games(rollouts, seeds: list[int], cfg: GRPOConfig, sampling: SamplingPa
         advantages = branch_adv.episode  # (B, G + S K)
         trajs, row_advantages, episode_metrics = episode_rows(played, outer, cfg, terms)
         episode_metrics.update(branch_metrics(branches, branch_adv))
-    failures.extend((f"{e.task} {e.turns[-1].observation}", " | ".join(t.action for t in e.turns[-3:])) for e in episodes if not e.won and e.turns)
+    failures = [(f"{e.task} {e.turns[-1].observation}", " | ".join(t.action for t in e.turns[-3:])) for e in episodes if not e.won and e.turns]
     return Played(
         trajs, row_advantages, rewards, advantages,
         success=[e.won for e in episodes],
         row_seq=[e for e, episode in enumerate(episodes) for _ in episode.turns],  # episode.rows(): one row per turn (roots; no branches with these objectives)
         gen_stats=gen_stats, sampled_at=sampled_at, root_rows=sum(len(e.turns) for e in episodes), harvest=played,
-        episode_metrics=episode_metrics, reward_metrics=reward_metrics, branches=branches,
+        episode_metrics=episode_metrics, reward_metrics=reward_metrics, branches=branches, failures=failures,
     )
 
 
 def play_replies(rollouts, seeds: list[int], cfg: GRPOConfig, sampling: SamplingParams, gen: torch.Generator, system_prompt: str | None,
-                 hints: list[str] | None, reward_set: RewardSet | None, step: int, failures: deque) -> Played:
+                 hints: list[str] | None, reward_set: RewardSet | None, step: int) -> Played:
     """A step of a single-turn task: G replies to each prompt form a group, one training row
     each. With [[reward]], each reply's reward is the weighted sum of the reward functions, and
     a function's own advantage term (self-consistency's low-agreement penalty) is added to the
-    group advantage. The failed replies join `failures`."""
+    group advantage. The failed replies are its `failures`."""
     B, G = len(seeds), cfg.train.group_size
     ro = rollouts.rollout(seeds, G, sampling, gen, system_prompt, hints=hints)
     trajs = ro.trajectories
@@ -699,14 +551,62 @@ def play_replies(rollouts, seeds: list[int], cfg: GRPOConfig, sampling: Sampling
     advantages = compute_advantages(cfg.algo.advantage, rewards)  # (B, G)
     if offsets is not None:  # a reward's own advantage term (self_consistency's penalty for low agreement)
         advantages = advantages + torch.tensor(offsets, dtype=torch.float32, device="cpu").view(B, G)
-    failures.extend((t.prompt_text, t.completion_text) for t in trajs if not t.success)
     return Played(
         trajs, advantages.view(-1), rewards, advantages,
         success=[t.success for t in trajs],
         row_seq=list(range(len(trajs))),
         gen_stats=ro.stats, sampled_at=sampled_at, root_rows=len(trajs), harvest=trajs,
-        reward_metrics=reward_metrics,
+        reward_metrics=reward_metrics, failures=[(t.prompt_text, t.completion_text) for t in trajs if not t.success],
     )
+
+
+def open_rewards(cfg: GRPOConfig, run) -> RewardSet | None:
+    """The [[reward]] entries as a RewardSet (None: the env's reward alone), restored from the
+    checkpoint; rewards without a verifier read the policy and one env of the task."""
+    builtin = any(e.kind != "func" for e in cfg.reward)
+    reward_set = RewardSet.from_config(cfg.reward, SelfRewardContext(cfg, run.policy, run.pool.take(1)[0], run.init_dir) if builtin else None)
+    if reward_set is not None and run.state.get("rewards"):
+        reward_set.load_state_dict(run.state["rewards"])  # self_consistency's label-accuracy counts at the checkpoint
+    return reward_set
+
+
+def step_outcomes(cfg: GRPOConfig, played: Played) -> Outcomes | None:
+    """What the sequence objectives ('rebel', 'nft', 'apo') read of each sequence's outcome; None for the others."""
+    if cfg.algo.objective not in OUTCOME_OBJECTIVES:
+        return None
+    B, G = played.rewards.shape
+    return Outcomes(played.rewards, torch.tensor(played.success, dtype=torch.float32, device="cpu").view(B, G),
+                    torch.tensor(played.row_seq, dtype=torch.long, device="cpu"))
+
+
+def step_metrics(played: Played, st: UpdateStats, cfg: GRPOConfig, opt_step: int, t0: float, tp: float, t2: float) -> dict:
+    """A step's own metrics: its episodes and rewards, the update's, and its times (t0 the
+    step's start, tp the publish's start, t2 its end)."""
+    trajs, rewards, t1 = played.trajs, played.rewards, played.sampled_at
+    lengths = torch.tensor([t.num_action_tokens for t in trajs], dtype=torch.float32, device="cpu")
+    prompt_tokens = sum(len(t.token_ids) - t.num_action_tokens for t in trajs)
+    root_rows = trajs[: played.root_rows]  # the roots' rows come first
+    return {
+        **played.episode_metrics,
+        "reward/mean": rewards.mean().item(),
+        "reward/std": rewards.std().item(),
+        **played.reward_metrics,
+        "reward/success_rate": sum(t.success for t in root_rows) / len(root_rows),
+        "reward/zero_std_groups": (rewards.std(dim=1) == 0).float().mean().item(),
+        "advantage/abs_mean": played.advantages.abs().mean().item(),
+        **update_metrics(st, trajs, len(trajs), cfg, opt_step),
+        "time/rollout_s": t1 - t0,
+        "time/update_s": t2 - t1,
+        "time/publish_s": t2 - tp,  # part of time/update_s: the new weights reaching the rollout engine
+        "time/step_s": t2 - t0,
+        "throughput/gen_tokens_per_s": played.gen_stats.generated_tokens / max(t1 - t0, 1e-9),
+        "throughput/tokens_per_s": (prompt_tokens + lengths.sum().item()) / max(t2 - t0, 1e-9),
+    }
+
+
+# The optional methods a GRPO run may plug in, in the order every hook calls them
+# (recursa/methods/: each enabled by its own config section; yours by [methods.<name>]).
+GRPO_METHODS = ["curriculum", "rloop", "igrpo", "anchor", "gate"]
 
 
 def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress | None = None, log: Callable[[str], None] = print) -> Path:
@@ -714,138 +614,75 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
     branching = cfg.rollout.branch != "off"
     single_turn_error = (f"rollout.branch = {cfg.rollout.branch!r} branches multi-turn games, but this task is single-turn (one reply per episode, "
                          "nothing to replay): set rollout.branch = 'off', or train on a game such as env.name = 'household'") if branching else None
-    check_curriculum(cfg)  # a bad arm option or tail hint fails before the run directory is touched
-    check_anchor(cfg)  # a data-parallel learner refuses the anchor before the run directory is touched
+    check_methods(GRPO_METHODS, cfg, cfg.methods)  # a method's bad setting fails before the run directory is touched
     run = open_run(cfg, out, resume, log, kl_reference=cfg.algo.needs_reference, single_turn_error=single_turn_error)
     pool, store, policy, optimizer, multi_turn = run.pool, run.store, run.policy, run.optimizer, run.multi_turn
-    model = policy.causal_lm
     start_step, opt_step = run.start_step, run.opt_steps
     engine = make_engine(cfg.rollout, policy)  # samples rollouts and decodes evaluations
-    gate = WeightsGate(cfg, store, pool, start_step, log, engine=engine) if cfg.gate.mode != "off" else None
-    if gate is not None:
-        gate.start(policy, optimizer, f"{cfg.model.name}{run.origin}")
-    prompts = PromptGate(cfg, store, pool, gate.lineage, multi_turn, log, engine=engine) if gate is not None and cfg.gate.prompt_every else None
-    failures: deque[tuple[str, str]] = deque(maxlen=4)  # recent failures, what prompt proposals read
     rollouts = make_rollouts(cfg, policy, pool, log, engine)  # in this process (through the engine), or on Ray workers
-    loop = RLoop.open(cfg, store, start_step, multi_turn, log) if cfg.rloop.enabled else None  # RL phases, each ending in a fine-tune on its successes
-    builtin = any(e.kind != "func" for e in cfg.reward)  # rewards without a verifier read the policy and one env of the task
-    reward_set = RewardSet.from_config(cfg.reward, SelfRewardContext(cfg, policy, pool.take(1)[0], run.init_dir) if builtin else None)  # None: the env's reward alone
-    if reward_set is not None and run.state.get("rewards"):
-        reward_set.load_state_dict(run.state["rewards"])  # self_consistency's label-accuracy counts at the checkpoint
-    curriculum = Curriculum.open(cfg, multi_turn, run.state)  # None when [curriculum] is off
-    anchor, note = make_anchor(cfg, pool, policy.tokenizer)  # demonstrations imitated at every optimizer step; None when anchor.coef = 0
-    if anchor is not None:
-        log(note)
-        if run.state.get("anchor"):
-            anchor.load_state_dict(run.state["anchor"])  # source = successes: the wins kept at the checkpoint
-    stratum = success_strata(cfg)
+    reward_set = open_rewards(cfg, run)  # None: the env's reward alone
+    methods = open_methods(GRPO_METHODS, RunContext(cfg, run, engine, rollouts, reward_set, log, progress), cfg.methods)
+    methods.open()
+    gate = methods.gate  # records every held-out evaluation after training started as a test look
     eval_before(run, cfg, progress, log, engine=engine)
-
     if mid_eval_missing(cfg, store, start_step, cfg.train.steps):  # resumed at a checkpoint whose evaluation was cut off
         mid_eval(policy, cfg, pool, store, start_step, progress, gate, log, engine=engine)
 
     sampling = SamplingParams(cfg.sampling.max_new_tokens, cfg.sampling.temperature, cfg.sampling.top_p, tuple(cfg.sampling.stop))
+    system_prompt = cfg.model.system_prompt or None
     B, G = cfg.train.prompts_per_step, cfg.train.group_size
-    drafts = B * cfg.algo.igrpo_drafts if cfg.algo.igrpo else 0  # iGRPO's drafts per step
-    sampled_total = int(run.state.get("episodes", start_step * (B * G + drafts)))  # budget/episodes: every episode sampled so far (branches, drafts)
+    extra = methods.extra_episodes(cfg)  # episodes the methods sample per step beyond B x G (iGRPO's drafts)
+    sampled_total = int(run.state.get("episodes", start_step * (B * G + extra)))  # budget/episodes: every episode sampled so far (branches, drafts)
     last = start_step  # the last step trained (train.max_episodes can end the run before train.steps)
     for step in range(start_step, cfg.train.steps):
         if not budget_left(cfg, sampled_total):  # resumed at a checkpoint the cap ended the run at
             break
         t0 = time.perf_counter()
         gen = step_generator(cfg.train.seed, step)
-        tasks = curriculum.tasks(step, B, pool.take(1)[0]) if curriculum is not None else None  # arms, tail re-offers with hints
-        seeds = train_seeds(cfg, step) if tasks is None else tasks.seeds
-        hints = None if tasks is None else tasks.hints
-        system_prompt = cfg.model.system_prompt or None
-        if loop is not None:
-            loop.begin(step, policy, optimizer)  # a phase's first step keeps the weights the phase will reset to
-        draft_metrics = {}
-        if cfg.algo.igrpo:  # iGRPO's first stage: the best of each task's drafts goes into its prompt
-            hints, draft_metrics = draft_hints(rollouts, seeds, cfg, sampling, gen, system_prompt, multi_turn, reward_set, step)
-        play = play_games if multi_turn else play_replies
-        played = play(rollouts, seeds, cfg, sampling, gen, system_prompt, hints, reward_set, step, failures)
-        trajs, rewards, advantages, row_advantages = played.trajs, played.rewards, played.advantages, played.row_advantages
-        t1, branches = played.sampled_at, played.branches
-        check_finite(step + 1, advantages=row_advantages)
-        harvest_metrics = loop.harvest(step + 1, played.harvest) if loop is not None else {}  # the step's successes, for the phase's fine-tune
-        batch = collate(trajs, row_advantages, policy.tokenizer.pad_token_id, policy.device)
-        outcomes = None
-        if cfg.algo.objective in OUTCOME_OBJECTIVES:  # the sequence objectives read each sequence's outcome
-            outcomes = Outcomes(rewards, torch.tensor(played.success, dtype=torch.float32, device="cpu").view(B, G),
-                                torch.tensor(played.row_seq, dtype=torch.long, device="cpu"))
-        st = update(policy, optimizer, batch, cfg, gen, opt_step, learner=run.learner, outcomes=outcomes, anchor=anchor)
+        # 1. tasks: a method's (the curriculum's), else a seeded shuffle of the train split
+        tasks = methods.tasks(step, B, pool.take(1)[0])
+        seeds, hints = (train_seeds(cfg, step), None) if tasks is None else (tasks.seeds, tasks.hints)
+        methods.begin_step(step)
+        hints, hint_metrics = methods.hints(step, seeds, hints, sampling, gen, system_prompt)
+        # 2-4. sample, score, advantages
+        played = (play_games if multi_turn else play_replies)(rollouts, seeds, cfg, sampling, gen, system_prompt, hints, reward_set, step)
+        check_finite(step + 1, advantages=played.row_advantages)
+        sample_metrics = methods.after_sample(step, played)
+        # 5. update (+ the methods' loss term), then publish the new weights to the engine
+        batch = collate(played.trajs, played.row_advantages, policy.tokenizer.pad_token_id, policy.device)
+        st = update(policy, optimizer, batch, cfg, gen, opt_step, learner=run.learner, outcomes=step_outcomes(cfg, played), anchor=methods.update_term())
         check_finite(step + 1, loss=st.loss, grad_norm=st.grad_norm)
         opt_step += st.opt_steps
-        anchor_added = None
-        if anchor is not None and cfg.anchor.source == "successes":  # the step's wins join the self-imitation rows of later steps
-            anchor_added = anchor.observe(won_episodes(trajs[: played.root_rows], played.row_seq[: played.root_rows], played.success, stratum))
+        update_metrics_ = methods.after_update(step, played, st)
         tp = time.perf_counter()
         engine.load_weights(policy)
         t2 = time.perf_counter()
-
-        lengths = torch.tensor([t.num_action_tokens for t in trajs], dtype=torch.float32, device="cpu")
-        prompt_tokens = sum(len(t.token_ids) - t.num_action_tokens for t in trajs)
-        zero_var = (rewards.std(dim=1) == 0).float().mean()
-        n_sampled = B * G + drafts + (len(branches.episodes) if branches is not None else 0)
+        # 6. record: metrics, samples, then the methods' end of step (gates, phases), checkpoint, evaluation
+        n_sampled = B * G + extra + (len(played.branches.episodes) if played.branches is not None else 0)
         sampled_total += n_sampled
-        root_rows = trajs[: played.root_rows]  # the roots' rows come first
-        metrics = {
-            **played.episode_metrics,
-            "reward/mean": rewards.mean().item(),
-            "reward/std": rewards.std().item(),
-            **played.reward_metrics,
-            "reward/success_rate": sum(t.success for t in root_rows) / len(root_rows),
-            "reward/zero_std_groups": zero_var.item(),
-            "advantage/abs_mean": advantages.abs().mean().item(),
-            **draft_metrics,
-            "episodes/sampled": n_sampled,  # every episode this step sampled: B x G, iGRPO's drafts, branch continuations (RSIPO: its hinted re-rolls)
-            "budget/episodes": sampled_total,
-            **harvest_metrics,
-            **update_metrics(st, trajs, len(trajs), cfg, opt_step),
-            "time/rollout_s": t1 - t0,
-            "time/update_s": t2 - t1,
-            "time/publish_s": t2 - tp,  # part of time/update_s: the new weights reaching the rollout engine
-            "time/step_s": t2 - t0,
-            "throughput/gen_tokens_per_s": played.gen_stats.generated_tokens / max(t1 - t0, 1e-9),
-            "throughput/tokens_per_s": (prompt_tokens + lengths.sum().item()) / max(t2 - t0, 1e-9),
-            **rollouts.metrics(),
-            **pool.metrics(),  # env/restarts: games that crashed or hung this step
-        }
-        if anchor is not None:
-            metrics["anchor/nll"] = st.anchor_nll  # the demonstrations' NLL per target token, before each optimizer step's update
-            if anchor_added is not None:
-                metrics["anchor/wins_added"] = anchor_added  # distinct won episodes this step added to the self-imitation rows
-                metrics["anchor/rows"] = len(anchor.rows)  # rows kept (all strata)
-        if curriculum is not None:  # the arms' pass-rate averages and the tail table learn from this step
-            curriculum.observe(tasks, played.wins)
-            metrics.update(curriculum.metrics())
+        metrics = {**step_metrics(played, st, cfg, opt_step, t0, tp, t2), **hint_metrics, **sample_metrics, **update_metrics_,
+                   "episodes/sampled": n_sampled,  # every episode this step sampled: B x G, iGRPO's drafts, branch continuations (RSIPO: its hinted re-rolls)
+                   "budget/episodes": sampled_total, **rollouts.metrics(), **pool.metrics()}  # env/restarts: games that crashed or hung this step
         store.log_metrics(step + 1, metrics)
         store.log_samples(step + 1, [
-            {"seed": t.seed, "prompt": t.prompt_text, "completion": t.completion_text, "reward": t.reward, "advantage": float(row_advantages[i])}
-            for i, t in list(enumerate(trajs))[: cfg.run.log_samples]
+            {"seed": t.seed, "prompt": t.prompt_text, "completion": t.completion_text, "reward": t.reward, "advantage": float(played.row_advantages[i])}
+            for i, t in list(enumerate(played.trajs))[: cfg.run.log_samples]
         ])
         if progress:
             progress("train", step + 1, cfg.train.steps)
         log(
             f"step {step + 1}/{cfg.train.steps}  reward {metrics['reward/mean']:.3f}  len {metrics['completion/len_mean']:.1f}  "
-            f"clip {st.clip_frac:.3f}  rollout {t1 - t0:.1f}s  update {t2 - t1:.1f}s"
+            f"clip {st.clip_frac:.3f}  rollout {played.sampled_at - t0:.1f}s  update {t2 - played.sampled_at:.1f}s"
         )
         done = last = step + 1
         final = ends_run(cfg, done, sampled_total, log)
-        if loop is not None and loop.due(done):  # the RL phase ends: reset, fine-tune on its harvest, and the next phase starts there
-            opt_step, refreshed = loop.refresh(policy, optimizer, done, gen, opt_step, run.learner)
-            store.log_metrics(done, refreshed)
-            engine.load_weights(policy)
-        if prompts is not None and done % cfg.gate.prompt_every == 0 and failures:
-            store.log_metrics(done, prompts.check(policy, done, list(failures), gen))
-        if gate is not None and (done % cfg.gate.every == 0 or final):
-            store.log_metrics(done, gate.check(policy, optimizer, done, progress))
+        end = StepEnd(done, final, gen, opt_step)
+        methods.end_step(end, store.log_metrics)
+        opt_step = end.opt_step
         if (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0) or final:
             saved = reward_set.state_dict() if reward_set is not None else {}
             state = {"opt_steps": opt_step, **({"rewards": saved} if saved else {}), **({"episodes": sampled_total} if branching else {}),
-                     **({"curriculum": curriculum.state_dict()} if curriculum is not None else {}),
-                     **({"anchor": anchor.state_dict()} if anchor is not None and anchor.wins else {})}
+                     **methods.state_dict()}
             store.save_checkpoint(done, policy, optimizer, state)
         if not final and mid_eval_due(cfg, done, cfg.train.steps):  # after the checkpoint: a kill during the evaluation loses no training
             mid_eval(policy, cfg, pool, store, done, progress, gate, log, engine=engine)
@@ -858,8 +695,8 @@ def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress |
     if cfg.eval.after and cfg.eval.n > 0 and not (out / "eval" / "after.json").exists():
         r = run_eval(policy, cfg, pool, store, last, "after", progress, gate, engine=engine)
         log(f"after: success {r.success_rate:.3f} [{r.ci95[0]:.3f}, {r.ci95[1]:.3f}] on {r.n} {cfg.eval.split} items")
+    methods.close()
     engine.close()
     store.close()
     pool.close()
-    del model
     return out

@@ -64,7 +64,7 @@ from recursa.recipes.common import (
     step_generator,
     supervised_step,
 )
-from recursa.recipes.gating import WeightsGate
+from recursa.methods.gating import WeightsGate
 from recursa.stats import pass_at_k
 from recursa.trajectory import Episode, Trajectory, collate
 

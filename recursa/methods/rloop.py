@@ -48,6 +48,7 @@ from recursa.errors import UserError
 from recursa.models import Policy, restore_weights
 from recursa.recipes.rft import Attempt, completion_attempts, episode_attempts, finetune, keep_solutions, row_from_record, row_record
 from recursa.store import RunStore, finished_checkpoints, write_weights
+from recursa.methods.base import Method, StepEnd
 from recursa.trajectory import Episode, Trajectory
 
 
@@ -198,3 +199,30 @@ class RLoop:
             "rloop/reset": float(source is not None),
             "time/rloop_s": time.perf_counter() - t0,
         }
+
+
+class RLoopMethod(Method):
+    name = "rloop"
+
+    @classmethod
+    def enabled(cls, cfg) -> bool:
+        return cfg.rloop.enabled
+
+    def open(self) -> None:
+        ctx = self.ctx
+        self.loop = RLoop.open(ctx.cfg, ctx.store, ctx.start_step, ctx.multi_turn, ctx.log)
+
+    def begin_step(self, step: int) -> None:
+        self.loop.begin(step, self.ctx.policy, self.ctx.optimizer)  # a phase's first step keeps the weights the phase will reset to
+
+    def after_sample(self, step: int, played) -> dict:
+        return self.loop.harvest(step + 1, played.harvest)  # the step's successes, for the phase's fine-tune
+
+    def end_step(self, end: StepEnd) -> dict:
+        if not self.loop.due(end.done):
+            return {}
+        ctx = self.ctx  # the RL phase ends: reset, fine-tune on its harvest, and the next phase starts there
+        end.opt_step, refreshed = self.loop.refresh(ctx.policy, ctx.optimizer, end.done, end.generator, end.opt_step, ctx.run.learner)
+        ctx.store.log_metrics(end.done, refreshed)
+        ctx.engine.load_weights(ctx.policy)
+        return {}
