@@ -150,19 +150,20 @@ def reinforce_pp(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def gopo(rewards: torch.Tensor) -> torch.Tensor:
-    """Rank advantage (rank - (G-1)/2) / ((G-1)/2), ties share average rank.  (B, G) -> (B, G)"""
+    """GOPO's rank advantage as the paper and its release define it: A = 2 - 4 (rho - 1) / (G - 1),
+    rho the 1-based descending rank of the reward in its group, range [-2, 2]. Ties are broken by
+    sort order, as the release does (a stable descending sort: among equal rewards the earlier
+    rollout ranks higher), so ``[[5, 5, 1]]`` gives [2, 0, -2] and a constant group still gets
+    the full spread. G = 1 gives 0.  (B, G) -> (B, G)"""
     rewards = _check_rewards(rewards)
     group_size = rewards.shape[-1]
     if group_size < 2:
         return torch.zeros_like(rewards)
-    # Pairwise comparisons within each group: [b, i, j] compares r_i with r_j.
-    r_i = rewards.unsqueeze(-1)  # (B, G, 1)
-    r_j = rewards.unsqueeze(-2)  # (B, 1, G)
-    n_less = (r_j < r_i).sum(dim=-1).to(rewards.dtype)  # (B, G)
-    n_equal = (r_j == r_i).sum(dim=-1).to(rewards.dtype)  # (B, G), includes i itself
-    rank = n_less + (n_equal - 1.0) / 2.0  # (B, G), 0-based average rank
-    half_range = (group_size - 1) / 2.0
-    return (rank - half_range) / half_range
+    order = torch.sort(rewards, dim=-1, descending=True, stable=True).indices  # (B, G)
+    rank = torch.empty_like(order)
+    positions = torch.arange(group_size, device=rewards.device).expand_as(order)
+    rank.scatter_(-1, order, positions)  # (B, G), 0-based descending rank = rho - 1
+    return 2.0 - 4.0 * rank.to(rewards.dtype) / (group_size - 1)
 
 
 def gpg(rewards: torch.Tensor) -> torch.Tensor:
