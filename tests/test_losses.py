@@ -164,6 +164,21 @@ def test_dual_clip_caps_negative_advantage_loss():
     close(stats["clip_frac"], 1 / 3)
 
 
+def test_dual_clip_gradient_at_exactly_the_cap_is_full():
+    # Issue 50. One token, A = -1, ratio exactly the cap c = 3 (the cap computed as the ratio
+    # the loss will see, so the tie is exact in float64). Dual-clip PPO (Ye et al. 2020) caps
+    # only strictly past c: at ratio == c the loss -A ratio = 3 keeps its gradient
+    # d(-A e^logp)/dlogp = ratio = 3, not half of it (torch.minimum splits ties 1.5 / 1.5).
+    cap = float(torch.exp(torch.log(t(3.0))))
+    loss, grad, stats = ppo_on_ratios([cap], [-1.0], dual_clip=cap)
+    close(loss, 3.0)
+    close(grad, [3.0])
+    assert stats["dual_clip_frac"] == 0.0
+    # just past the cap: the gradient is 0
+    _, grad_past, _ = ppo_on_ratios([cap * (1 + 1e-9)], [-1.0], dual_clip=cap)
+    close(grad_past, [0.0])
+
+
 def test_sequence_advantages_broadcast_and_approx_kl_old():
     # advantages (B,) = [2, -1] broadcast over T = 2 tokens; logp - logp_old = [[0.2, -0.4], [0, 0]]
     logp = t([[0.2, -0.4], [0.0, 0.0]]).requires_grad_(True)

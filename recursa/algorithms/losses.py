@@ -283,7 +283,9 @@ def ppo_clip_loss(
     neg_adv = adv < 0  # (B, T)
     if dual_clip is not None:
         cap = -dual_clip * adv  # (B, T), positive where adv < 0
-        per_token = torch.where(neg_adv, torch.minimum(per_token, cap), per_token)
+        # Strictly past the cap only: at ratio == dual_clip the surrogate keeps its full gradient
+        # (torch.minimum would split it in half between the two equal arguments; issue 50).
+        per_token = torch.where(neg_adv & (per_token > cap), cap, per_token)
         dual_clipped = neg_adv & (ratio > dual_clip)  # (B, T)
     else:
         dual_clipped = torch.zeros_like(keep)
