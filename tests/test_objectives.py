@@ -121,6 +121,47 @@ def test_nft_loss_by_hand():
     torch.testing.assert_close(g, t([[-0.5], [1 / 6]]) / 2)
 
 
+def test_nft_success_keeps_its_gradient_below_log_ratio_minus_20():
+    # Issue 50. NFT's positive loss is -log R (the release clamps the log-ratio only from above,
+    # at +10). One success, pass rate 0.5 (weight 1 - r = 0.5), log R = -25: loss 0.5 * 25 = 12.5,
+    # d/dlogp = -0.5. The old +-20 clamp gave loss 10 and gradient 0.
+    logp, old, mask = t([[-25.0]]), t([[0.0]]), t([[1.0]])
+    value, g = _grad(lambda x: nft_loss(x, old, t([1.0]), t([0.5]), mask)[0], logp)
+    assert value == pytest.approx(12.5)
+    torch.testing.assert_close(g, t([[-0.5]]))
+    # above +10 the release's clamp holds: value 0.5 * -10, gradient 0
+    value, g = _grad(lambda x: nft_loss(x, old, t([1.0]), t([0.5]), mask)[0], t([[12.0]]))
+    assert value == pytest.approx(-5.0)
+    torch.testing.assert_close(g, t([[0.0]]))
+
+
+@pytest.mark.parametrize("rate", [1.5, -0.1, float("nan")])
+def test_nft_rejects_a_pass_rate_outside_0_1(rate):
+    logp = t([[0.0], [0.0]])
+    with pytest.raises(ValueError, match="pass_rate"):
+        nft_loss(logp, torch.zeros_like(logp), t([1.0, 0.0]), t([rate, 0.5]), torch.ones_like(logp))
+
+
+def test_apo_values_rejects_nan_rewards():
+    with pytest.raises(ValueError, match="finite"):
+        apo_values(t([[0.0, float("nan")]]), beta=0.5)
+    with pytest.raises(ValueError, match="finite"):
+        apo_values(t([[0.0, float("inf")]]), beta=0.5)
+
+
+def test_truncated_is_weights_rejects_nan_at_masked_tokens():
+    from recursa.algorithms.losses import truncated_is_weights
+
+    nan = float("nan")
+    mask = t([[1.0, 0.0]])
+    with pytest.raises(ValueError, match="NaN"):
+        truncated_is_weights(t([[nan, 0.0]]), t([[0.0, 0.0]]), mask, cap=2.0)
+    with pytest.raises(ValueError, match="NaN"):
+        truncated_is_weights(t([[0.0, 0.0]]), t([[nan, 0.0]]), mask, cap=2.0)
+    # off the mask a NaN is ignored and the weight is 1
+    torch.testing.assert_close(truncated_is_weights(t([[0.0, nan]]), t([[0.0, 0.0]]), mask, cap=2.0), t([[1.0, 1.0]]))
+
+
 def test_nft_clamps_the_implicit_negative_ratio_and_keeps_a_finite_gradient():
     # a failure whose ratio grew to R = 3 at r = 0.5: (1 - 1.5) / 0.5 = -1 < 0, pi_neg would be negative
     logp, old, mask = t([[LN(3.0)]]), t([[0.0]]), t([[1.0]])

@@ -199,6 +199,8 @@ def truncated_is_weights(logp_old: torch.Tensor, logp_engine: torch.Tensor, mask
     if logp_old.shape != logp_engine.shape:
         raise ValueError(f"logp_old shape {tuple(logp_old.shape)} must equal logp_engine shape {tuple(logp_engine.shape)}")
     keep = _check_mask(logp_old, mask)
+    if bool((keep & (torch.isnan(logp_old) | torch.isnan(logp_engine))).any()):
+        raise ValueError("logp_old and logp_engine must not be NaN at masked tokens (a NaN weight would reach the loss)")
     w = torch.exp(logp_old.detach() - logp_engine.detach()).clamp(max=cap)  # (B, T)
     return torch.where(keep, w, torch.ones_like(w))
 

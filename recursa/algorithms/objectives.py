@@ -4,7 +4,8 @@ Shapes as in `recursa.algorithms.losses`: B rows (completions, or one turn of a 
 T token positions, ``mask  # (B, T)`` 1 at the policy's own tokens. ``logp`` carries the
 gradient; ``logp_old`` (the policy that sampled the rows), ``logp_ref``, advantages and
 rewards are constants. rho = exp(logp - logp_old) per token, the log-ratio clamped to
-[-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP] = [-20, 20] before the exponential as PPO-clip does.
+[-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP] = [-20, 20] before the exponential as PPO-clip does (NFT clamps only
+the top, at +NFT_LOG_RATIO_MAX = +10, as its release does).
 
 Token-level objectives (a per-token loss, reduced with `losses.aggregate` under ``agg``):
 
@@ -63,6 +64,7 @@ __all__ = [
     "sequence_surrogate",
 ]
 
+NFT_LOG_RATIO_MAX = 10.0  # NFT clamps the log-ratio only from above, at +10, as the authors' release does
 NFT_RATE_CLIP = 0.02  # NFT's pass rate is clamped to [0.02, 0.98] inside the loss, as in the authors' release
 
 
@@ -229,7 +231,14 @@ def nft_loss(
     rate = _row_values(pass_rate, logp, "pass_rate")  # (B, 1)
     if bool(((pos != 0) & (pos != 1)).any()):
         raise ValueError("positive must be 0 or 1 per row (NFT needs a binary verdict)")
-    log_ratio, ratio = _ratio(logp, logp_old)
+    if bool((~torch.isfinite(rate) | (rate < 0) | (rate > 1)).any()):
+        raise ValueError(f"pass_rate must be a share in [0, 1] per row, got {rate.flatten().tolist()}")
+    if logp_old.shape != logp.shape:
+        raise ValueError(f"logp_old shape {tuple(logp_old.shape)} must equal logp shape {tuple(logp.shape)}")
+    # Only the top is clamped, at +NFT_LOG_RATIO_MAX as the release does: a success far below
+    # the sampling policy (log-ratio < -20) keeps its -log R gradient (issue 50).
+    log_ratio = torch.clamp(logp - logp_old.detach(), max=NFT_LOG_RATIO_MAX)  # (B, T)
+    ratio = torch.exp(log_ratio)
     r = rate.clamp(NFT_RATE_CLIP, 1.0 - NFT_RATE_CLIP)
     weight = torch.where((rate > 0) & (rate < 1), 1.0 - r, torch.zeros_like(r))  # (B, 1)
     neg_ratio = (1.0 - r * ratio) / (1.0 - r)  # (B, T): pi_neg / pi_old
@@ -282,6 +291,8 @@ def apo_values(rewards: torch.Tensor, beta: float) -> torch.Tensor:
         raise ValueError(f"beta must be > 0, got {beta}")
     if rewards.dim() != 2 or rewards.shape[1] < 1:
         raise ValueError(f"rewards must have shape (B, G) with G >= 1, got {tuple(rewards.shape)}")
+    if rewards.is_floating_point() and not bool(torch.isfinite(rewards).all()):
+        raise ValueError("rewards must be finite (a NaN or inf reward would give V* = NaN / inf)")
     r = rewards.to(torch.get_default_dtype()) if not rewards.is_floating_point() else rewards
     g = torch.tensor(float(rewards.shape[1]), dtype=r.dtype, device=r.device)
     return beta * (torch.logsumexp(r / beta, dim=1) - torch.log(g))
