@@ -446,6 +446,15 @@ def test_draft_hints_pick_the_best_draft_of_each_task():
     assert metrics["igrpo/draft_success_rate"] == pytest.approx(1 / 6)
 
 
+def test_draft_hints_do_not_tie_rewards_that_differ_below_float32_resolution():
+    # Issue 50: 1.0 and 1.0 + 1e-9 are one float32 value; the second draft is the better one.
+    cfg = load_config(None, ["model.name=tiny-random", "algo.igrpo=true", "algo.igrpo_drafts=2", "train.prompts_per_step=1"])
+    assert torch.tensor(1.0 + 1e-9, dtype=torch.float32) == torch.tensor(1.0, dtype=torch.float32)
+    fake = _FakeRollouts([[1.0, 1.0 + 1e-9]])
+    hints, _ = draft_hints(fake, [11], cfg, None, torch.Generator(), None, False, None, 0)
+    assert hints == [draft_hint("draft 0.1", 1.0 + 1e-9, 400)]
+
+
 # ---------------------------------------------------------------------------- two steps of every switch on the tiny model
 
 class AnyDigitEnv:

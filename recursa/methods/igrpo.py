@@ -37,7 +37,7 @@ def draft_hints(rollouts, seeds: list[int], cfg, sampling, gen: torch.Generator,
         if reward_set is not None:
             score_trajectories(reward_set, drafts)
         texts, totals, won = [t.completion_text for t in drafts], [t.reward for t in drafts], [t.success for t in drafts]
-    rewards = torch.tensor(totals, dtype=torch.float32, device="cpu").view(len(seeds), D)  # (B, D)
+    rewards = torch.tensor(totals, dtype=torch.float64, device="cpu").view(len(seeds), D)  # (B, D), float64 so rewards that differ below float32 resolution do not tie (issue 50)
     check_finite(step + 1, draft_rewards=rewards)
     best = rewards.argmax(dim=1).tolist()  # the first maximum of each row
     hints = [draft_hint(texts[b * D + k], float(rewards[b, k]), cfg.algo.igrpo_draft_chars) for b, k in enumerate(best)]
