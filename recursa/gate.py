@@ -34,6 +34,12 @@ without the "wealth" that those procedures earn back on rejections: it is the si
 schedule that is valid for any number of rounds and any dependence between rounds. When
 K candidates compete in one round the level is further split by Bonferroni: alpha_t / K.
 
+The bound holds per gate kind. A run spends one such sequence for each kind it gates (the
+weights gate, the prompt gate, RSIPO's skills gate), each with the full ``gate.alpha``, so
+by the union bound a run that gates weights, prompts and skills accepts a useless change of
+any kind with probability at most 3 alpha (k alpha for k kinds). To hold the whole run to
+alpha, set ``gate.alpha`` to alpha / k.
+
 Where this departs from the textbook
 ------------------------------------
 * The exact McNemar test is conditional on D and conservative (its true size is below
