@@ -30,9 +30,11 @@ the attempts were sampled from). Per context:
 (c) `corr(Delta, A)`: per attempt, Delta = its mean token log-prob gain teacher - student
     on its own sampled tokens (`distill.teacher_shift`, `distill.trajectory_shift`), and A
     its outcome advantage (`advantages.compute_advantages` with the recipe's
-    `algo.advantage`, GRPO's by default); the Pearson correlation over the attempts of
-    groups that both won and failed (elsewhere A = 0), with a 95% bootstrap interval over
-    those groups. Also with Delta centred on its group (`teacher.center = "group"`).
+    `algo.advantage`, GRPO's by default); the Pearson correlation over the attempts that
+    have the context, in groups that both won and failed (elsewhere A = 0), with a 95%
+    bootstrap interval over those groups (`sibling` gives a group's only winner no context:
+    that winner is left out). Also with Delta centred on its group's attempts with the
+    context (`teacher.center = "group"`).
 (d) `trust`: how RSIPO's empirical-Bayes trust would weight this teacher: the items are fed,
     `train.prompts_per_step` at a time, as steps of a run with `teacher.source` = this
     context (one trust group), to `recursa.methods.teacher.make_trust`'s estimator with
@@ -207,27 +209,34 @@ def pearson(x, y) -> float | None:
     return None if math.isnan(r) else r
 
 
-def grouped_corr(delta: list[float], adv: list[float], G: int, n_boot: int = 2000, seed: int = 0) -> dict:
-    """corr(Delta, A) over the attempts of groups with A not all 0 (groups of G in order), with a
-    95% percentile-bootstrap interval resampling those groups."""
+def grouped_corr(delta: list[float], adv: list[float], G: int, mask: list[bool] | None = None, n_boot: int = 2000, seed: int = 0) -> dict:
+    """corr(Delta, A) over the attempts in `mask` (default: all) of the groups (G in order)
+    whose masked attempts' A are not all 0, with a 95% percentile-bootstrap interval
+    resampling those groups. An attempt outside `mask` had no teacher signal (the library's
+    `sibling` gives none to a group's only winner) and is left out, not counted as (0, 0)."""
     import numpy as np
 
-    groups = [g for g in range(len(delta) // G) if any(a != 0 for a in adv[g * G : (g + 1) * G])]
-    d = np.array(delta, dtype=np.float64).reshape(-1, G)[groups]
-    a = np.array(adv, dtype=np.float64).reshape(-1, G)[groups]
-    r = pearson(d.ravel(), a.ravel()) if groups else None
+    keep = [True] * len(delta) if mask is None else list(mask)
+    d_all, a_all = np.asarray(delta, dtype=np.float64), np.asarray(adv, dtype=np.float64)
+    groups = [(d_all[g * G : (g + 1) * G][keep[g * G : (g + 1) * G]], a_all[g * G : (g + 1) * G][keep[g * G : (g + 1) * G]])
+              for g in range(len(delta) // G)]
+    groups = [(d, a) for d, a in groups if np.any(a != 0)]
+
+    def corr_of(picked):
+        return pearson(np.concatenate([d for d, _ in picked]), np.concatenate([a for _, a in picked]))
+
+    r = corr_of(groups) if groups else None
     lo = hi = None
     if r is not None and len(groups) >= 3:
         rng = np.random.default_rng(seed)
         rs = []
         for _ in range(n_boot):
-            pick = rng.integers(0, len(groups), len(groups))
-            v = pearson(d[pick].ravel(), a[pick].ravel())
+            v = corr_of([groups[j] for j in rng.integers(0, len(groups), len(groups))])
             if v is not None:
                 rs.append(v)
         if rs:
             lo, hi = (float(q) for q in np.quantile(rs, [0.025, 0.975]))
-    return {"r": r, "lo": lo, "hi": hi, "groups": len(groups), "attempts": len(groups) * G}
+    return {"r": r, "lo": lo, "hi": hi, "groups": len(groups), "attempts": int(sum(len(d) for d, _ in groups))}
 
 
 def simulate_trust(mean_delta: list[float], adv: list[float], hinted: list[bool], group: str, G: int, items_per_step: int, cfg) -> dict:
@@ -266,8 +275,8 @@ def summarise_context(name: str, per_item: list, gains: list, ranks: list, delta
     t_pref, s_pref = sum(r["teacher"] for r in ranks), sum(r["student"] for r in ranks)
     failed_d = [delta[i] for i in range(len(delta)) if hinted[i] and not success[i]]
     won_d = [delta[i] for i in range(len(delta)) if hinted[i] and success[i]]
-    raw = grouped_corr([d if h else 0.0 for d, h in zip(delta, hinted)], [a if h else 0.0 for a, h in zip(adv, hinted)], G)
-    cen = grouped_corr([d if h else 0.0 for d, h in zip(delta_centred, hinted)], [a if h else 0.0 for a, h in zip(adv, hinted)], G)
+    raw = grouped_corr(delta, adv, G, mask=hinted)
+    cen = grouped_corr(delta_centred, adv, G, mask=hinted)
     trust = {c: simulate_trust(d, adv, hinted, name, G, items_per_step, cfg.model_copy(update={"teacher": cfg.teacher.model_copy(update={"center": c})}))
              for c, d in (("none", delta), ("group", delta_centred))}
     return {

@@ -168,6 +168,25 @@ def test_summary_of_the_crafted_case(case):
     assert t["final"] == pytest.approx(0.0) and t["applied_mean"] == pytest.approx(0.0)
 
 
+def test_grouped_corr_leaves_out_attempts_without_the_context():
+    """G = 3. Group 0: A = (2, -1, -1), Delta = (1, 0, 2), all with the context; group 1 is
+    all-fail (A = 0) and left out; group 2: its winner has no context (as `sibling` gives a
+    group's only winner), its two losers Delta = (3, 1), A = -1. Kept pairs: (1, 2), (0, -1),
+    (2, -1), (3, -1), (1, -1): Delta mean 7/5, A mean -2/5; cov sum = (-2/5)(12/5) +
+    (-7/5)(-3/5) + (3/5)(-3/5) + (8/5)(-3/5) + (-2/5)(-3/5) = -6/5; Delta ss = 26/5,
+    A ss = 36/5: r = -(6/5) / sqrt(26/5 x 36/5) = -6 / sqrt(936)."""
+    tk = _tk()
+    delta = [1.0, 0.0, 2.0, 5.0, 5.0, 5.0, 9.0, 3.0, 1.0]
+    adv = [2.0, -1.0, -1.0, 0.0, 0.0, 0.0, 2.0, -1.0, -1.0]
+    mask = [True] * 6 + [False, True, True]
+    c = tk.grouped_corr(delta, adv, 3, mask=mask, n_boot=50)
+    assert c["groups"] == 2 and c["attempts"] == 5
+    assert c["r"] == pytest.approx(-6 / math.sqrt(936))
+    assert c["lo"] is None  # fewer than 3 groups: no interval
+    full = tk.grouped_corr(delta, adv, 3)  # without the mask the winner (9, 2) counts
+    assert full["attempts"] == 6 and full["r"] > 0
+
+
 def test_trust_simulation_by_hand():
     """G = 2, one item a step. Step 1: both agree -> r = (2 + 1) / (2 + 2), T = 0.5; step 2 is
     applied at 0.5, one of two agrees -> counts (1.8 + 1, 1.8 + 2), r = 3.8 / 5.8."""
