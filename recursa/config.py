@@ -135,7 +135,7 @@ DEFAULT_RUBRIC = (
 # set under another kind is an error. Unset options stay None in the model, so a config written back
 # (config.toml) carries only what was set and reloads unchanged.
 KIND_DEFAULTS: dict[str, dict[str, Any]] = {
-    "self_consistency": {"min_agreement": 0.0, "penalty": 0.0, "verified_frac": 0.0, "trust_bins": 4, "trust_decay": 0.9},
+    "self_consistency": {"min_agreement": 0.0, "penalty": 0.0, "restrain": "add", "verified_frac": 0.0, "trust_bins": 4, "trust_decay": 0.9},
     "self_judge": {"rubric": DEFAULT_RUBRIC},
     "self_reward": {"base": "model", "clip": 3.0},
 }
@@ -170,6 +170,12 @@ class RewardEntry(_Section):
         None, ge=0,
         description="self_consistency: delta, added as -delta to the advantage of every sample of a group below min_agreement, after the "
         "advantage estimator (RESTRAIN's negative rollout penalization); unset: 0, such groups only get reward 0",
+    )
+    restrain: Literal["add", "paper"] | None = Field(
+        None,
+        description="self_consistency: how the penalty meets the advantage of a group below min_agreement: add, -delta added to the "
+        "estimator's advantage (the other entries' rewards, the env's included, still move it); paper, RESTRAIN's definition: the "
+        "advantage of every such sample is replaced by -weight * delta, whatever the other entries gave; unset: add (docs/rewards.md)",
     )
     verified_frac: float | None = Field(
         None, ge=0, le=1,

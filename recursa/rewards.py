@@ -35,8 +35,12 @@ Rewards without a verifier: an entry with `kind = "self_consistency"`, `"self_ju
 step's trajectories from the policy's own behaviour (majority votes, its own Yes/No verdict,
 the warm start's log-ratio to the base model) rather than from a function of the text, and
 may log more keys under `reward/<name>/` and add an offset to each item's advantage
-(`Scored.advantage_offsets`, RESTRAIN's penalty). The grpo recipe builds them with a
-`SelfRewardContext` (the policy, an env, the warm start).
+(`Scored.advantage_offsets`, RESTRAIN's penalty). An entry may instead name the advantage
+an item gets in place of the estimator's (RESTRAIN as its paper defines it, x the entry's
+weight): the set computes the estimator's advantage of the step's totals, the same pure
+function the recipe calls next, and folds target - A into the offsets, so the recipe's
+A + offset is the target. The grpo recipe builds them with a `SelfRewardContext` (the
+policy, an env, the warm start).
 
 Evaluations and the gate always measure the env's success rate: rewards shape training,
 they do not redefine what solving a task means.
@@ -72,8 +76,9 @@ class Scored:
 class RewardSet:
     """The weighted sum of a config's [[reward]] entries (see the module docstring)."""
 
-    def __init__(self, terms: list[RewardTerm]):
+    def __init__(self, terms: list[RewardTerm], estimator: Callable | None = None, group_size: int = 0):
         self.terms = terms
+        self.estimator, self.group_size = estimator, group_size  # (B, G) totals -> (B, G) advantages, for an entry's advantage targets
 
     @classmethod
     def from_config(cls, entries, context=None) -> "RewardSet | None":
@@ -102,7 +107,14 @@ class RewardSet:
         for t in terms:
             if t.fn is not None and not callable(t.fn):
                 raise UserError(f"reward.func = {t.func!r} is a {type(t.fn).__name__}, not a function")
-        return cls(terms)
+        estimator, G = None, 0
+        if context is not None:
+            import functools
+
+            from recursa.algorithms.advantages import compute_advantages
+
+            estimator, G = functools.partial(compute_advantages, context.cfg.algo.advantage), context.cfg.train.group_size
+        return cls(terms, estimator, G)
 
     def score(self, prompts: list[str], completions: list[str], env_rewards: list[float], fields: dict[str, list], trajs=None) -> Scored:
         """R for every item and the per-entry metrics. Built-in kinds read `trajs`, the
@@ -111,6 +123,7 @@ class RewardSet:
         totals = [0.0] * n
         metrics: dict[str, float] = {}
         offsets: list[float] | None = None
+        targets: list[float | None] = [None] * n
         for t in self.terms:
             extra: dict[str, float] = {}
             if t.builtin is not None:
@@ -120,6 +133,9 @@ class RewardSet:
                 values, extra = _checked(out.values, t.name, n), out.metrics
                 if out.advantage_offsets is not None:
                     offsets = [a + b for a, b in zip(offsets or [0.0] * n, out.advantage_offsets)]
+                for i, v in enumerate(out.advantage_targets or []):
+                    if v is not None:
+                        targets[i] = (targets[i] or 0.0) + t.weight * v
             else:
                 values = list(env_rewards) if t.fn is None else call_reward(t.fn, t.name, prompts, completions, fields)
             applied = [v for v in values if v is not None]
@@ -130,7 +146,22 @@ class RewardSet:
             if len(applied) < n:
                 metrics[f"reward/{t.name}/applied"] = len(applied) / max(n, 1)
             metrics.update(extra)
+        if any(v is not None for v in targets):
+            offsets = self._replacing(totals, targets, offsets)
         return Scored(totals, metrics, offsets)
+
+    def _replacing(self, totals: list[float], targets: list[float | None], offsets: list[float] | None) -> list[float]:
+        """The offsets that make A_i + offset_i = target_i where an entry named a target: A the
+        estimator's advantages of the totals (float32, (B, G) in group order, as the recipe
+        computes them), the other entries' offsets kept on the rest."""
+        import torch
+
+        n, G = len(totals), self.group_size
+        if self.estimator is None or G < 1 or n % G:
+            raise RuntimeError(f"an advantage target needs the estimator and the group size of the step ({n} items, group size {G})")
+        adv = self.estimator(torch.tensor(totals, dtype=torch.float32, device="cpu").view(-1, G)).reshape(-1).tolist()
+        base = offsets or [0.0] * n
+        return [base[i] if v is None else v - adv[i] for i, v in enumerate(targets)]
 
     def state_dict(self) -> dict[str, Any]:
         """What the built-in kinds carry from step to step (self_consistency's label-accuracy

@@ -10,7 +10,9 @@ runs the models and logs what shows how far the reward can be trusted:
 
 * `self_consistency`: 1 for a reply whose extracted answer (the task's own `parse(reply)`)
   is the majority answer of its group (TTRL); groups with a majority share under
-  `min_agreement` get 0 and, with `penalty`, a negative advantage (RESTRAIN). With
+  `min_agreement` get 0 and, with `penalty`, a negative advantage (RESTRAIN): -penalty
+  added to the estimator's advantage (`restrain = "add"`), or, as the paper defines it,
+  -weight * penalty in its place (`restrain = "paper"`). With
   `verified_frac` > 0 the pseudo-label is checked on that share of the tasks and the
   reward scaled by the empirical-Bayes trust in it, per agreement bin. Logs
   reward/<name>/agreement, /low_agreement, /label_accuracy (verified tasks),
@@ -63,6 +65,7 @@ class TermScore:
     values: list[float | None]  # (N,) its reward r_k of each item
     metrics: dict[str, float] = field(default_factory=dict)  # its own reward/<name>/... keys
     advantage_offsets: list[float] | None = None  # (N,) added to each item's advantage after the estimator, or None
+    advantage_targets: list[float | None] | None = None  # (N,) the advantage an item gets in place of the estimator's (x the entry's weight; None: keep it), or None
 
 
 class BuiltinReward(Protocol):
@@ -96,7 +99,8 @@ def build_builtin(entry, name: str, context: SelfRewardContext) -> BuiltinReward
     micro, chunk = cfg.train.micro_batch_size, cfg.train.logit_chunk
     if entry.kind == "self_consistency":
         o = entry.option
-        return SelfConsistency(name, answer_extractor(context.env), o("min_agreement"), o("penalty"), o("verified_frac"), o("trust_bins"), o("trust_decay"))
+        return SelfConsistency(name, answer_extractor(context.env), o("min_agreement"), o("penalty"), o("verified_frac"), o("trust_bins"), o("trust_decay"),
+                               o("restrain"))
     if entry.kind == "self_judge":
         from recursa.envs.base import system_prompt_of
 
@@ -164,8 +168,10 @@ class SelfConsistency:
     check of the pseudo-label on verified tasks (see the module doc)."""
 
     def __init__(self, name: str, parse: Callable[[str], str | None], min_agreement: float, penalty: float, verified_frac: float,
-                 bins: int, decay: float):
-        self.name, self.parse = name, parse
+                 bins: int, decay: float, restrain: str = "add"):
+        if restrain not in ("add", "paper"):
+            raise ValueError(f"restrain must be 'add' or 'paper', got {restrain!r}")
+        self.name, self.parse, self.restrain = name, parse, restrain
         self.min_agreement, self.penalty, self.verified_frac, self.bins = min_agreement, penalty, verified_frac, bins
         self.trust = TrustEstimator(decay=decay) if verified_frac > 0 else None  # cold start: accuracy 1/2, trust 0 until checked
 
@@ -193,8 +199,10 @@ class SelfConsistency:
         for members, t in zip(c.members, trust):
             for i in members:
                 values[i] *= t
-        offsets = None
-        if self.penalty > 0:
+        offsets = targets = None
+        if self.restrain == "paper":  # RESTRAIN: a low-agreement group's advantage is -delta, whatever else scored it
+            targets = [-self.penalty if low else None for low in c.low] if any(c.low) else None
+        elif self.penalty > 0:
             offsets = [-self.penalty if low else 0.0 for low in c.low]
         p = f"reward/{self.name}"
         metrics = {
@@ -205,7 +213,7 @@ class SelfConsistency:
         }
         if self.trust is not None:
             metrics[f"{p}/trust"] = _mean(trust)
-        return TermScore(values, metrics, offsets)
+        return TermScore(values, metrics, offsets, targets)
 
     def state_dict(self) -> dict[str, Any] | None:
         return None if self.trust is None else self.trust.state_dict()

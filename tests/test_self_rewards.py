@@ -150,6 +150,69 @@ def test_self_consistency_scorer_by_hand():
     assert again.score(trajs, [0.0] * 8).values == term.score(trajs, [0.0] * 8).values
 
 
+def _restrain_set(mode: str, weight: float, estimator: str = "grpo"):
+    """The env's reward (weight 1) and a self_consistency entry (kappa 1/2, delta 0.1) over two
+    groups of 4: task 0 answers 1, 2, 3, 4 (share 1/4: low agreement) with env rewards
+    1, 0, 0, 0; task 1 answers 7, 7, 7, 8 (share 3/4, label 7) with env rewards 1, 0, 0, 0."""
+    import functools
+
+    from recursa.algorithms.advantages import compute_advantages
+    from recursa.rewards import RewardSet, RewardTerm
+
+    trajs = [_traj(0, a, "1", a == "1") for a in ("1", "2", "3", "4")] + [_traj(1, a, "8", a == "8") for a in ("8", "7", "7", "7")]
+    for t, r in zip(trajs, [1.0, 0.0, 0.0, 0.0] * 2):
+        t.reward = r
+    sc = SelfConsistency("sc", last_number, 0.5, 0.1, 0.0, 4, 0.9, restrain=mode)
+    rs = RewardSet([RewardTerm("env", "env", 1.0, None), RewardTerm("sc", "self_consistency", weight, None, sc)],
+                   functools.partial(compute_advantages, estimator), 4)
+    return rs, trajs
+
+
+def _advantages(rs, trajs, estimator: str = "grpo") -> list[float]:
+    """What the recipe does with a Scored: the estimator's advantage of the totals + the offsets."""
+    from recursa.algorithms.advantages import compute_advantages
+    from recursa.rewards import score_trajectories
+
+    scored = score_trajectories(rs, trajs)
+    adv = compute_advantages(estimator, torch.tensor([t.reward for t in trajs], dtype=torch.float32).view(2, 4))
+    if scored.advantage_offsets is not None:
+        adv = adv + torch.tensor(scored.advantage_offsets, dtype=torch.float32).view(2, 4)
+    return adv.reshape(-1).tolist()
+
+
+def test_restrain_add_and_paper_by_hand():
+    """Issue 50's example. Task 0 (low agreement): totals = env = 1, 0, 0, 0 -> GRPO mean 1/4,
+    unbiased std sqrt((9/16 + 3/16) / 3) = 1/2 -> 1.5, -0.5, -0.5, -0.5; 'add' adds -delta:
+    1.4, -0.6, -0.6, -0.6; RESTRAIN's paper gives every rollout -delta (x the weight w).
+    Task 1 (label 7): totals 1 + 0, 0 + w, 0 + w, 0 + w, the same in both modes: w = 1 is a
+    constant group (advantage 0); w = 0.5: 1, .5, .5, .5 -> mean 5/8, std sqrt((9/64 + 3/64)
+    / 3) = 1/4 -> 1.5, -0.5, -0.5, -0.5."""
+    rs, trajs = _restrain_set("add", 1.0)
+    assert _advantages(rs, trajs) == pytest.approx([1.4, -0.6, -0.6, -0.6, 0.0, 0.0, 0.0, 0.0], abs=1e-5)
+    rs, trajs = _restrain_set("paper", 1.0)
+    assert _advantages(rs, trajs) == pytest.approx([-0.1] * 4 + [0.0] * 4, abs=1e-6)
+    rs, trajs = _restrain_set("paper", 0.5)
+    assert _advantages(rs, trajs) == pytest.approx([-0.05] * 4 + [1.5, -0.5, -0.5, -0.5], abs=1e-5)
+    # an estimator that ranks a constant group (GOPO: 2, 0, -2 by sort order) still leaves -delta
+    rs, trajs = _restrain_set("paper", 1.0, "gopo")
+    assert _advantages(rs, trajs, "gopo") == pytest.approx([-0.1] * 4 + [2.0, 2 / 3, -2 / 3, -2.0], abs=1e-5)
+    # delta = 0 in the paper's mode: the low group's advantage is exactly 0, its env rewards do not move it
+    sc = SelfConsistency("sc", last_number, 0.5, 0.0, 0.0, 4, 0.9, restrain="paper")
+    assert sc.score(trajs, [1.0, 0, 0, 0] * 2).advantage_targets == [0.0] * 4 + [None] * 4
+    with pytest.raises(ValueError, match="restrain must be"):
+        SelfConsistency("sc", last_number, 0.5, 0.0, 0.0, 4, 0.9, restrain="both")
+
+
+def test_restrain_option_is_validated():
+    ok = load_config(SMOKE, ['reward=[{kind = "self_consistency", min_agreement = 0.5, penalty = 0.1, restrain = "paper"}]'])
+    assert ok.reward[0].option("restrain") == "paper"
+    assert load_config(SMOKE, ['reward=[{kind = "self_consistency"}]']).reward[0].option("restrain") == "add"
+    with pytest.raises(Exception, match="restrain"):
+        load_config(SMOKE, ['reward=[{kind = "self_consistency", restrain = "replace"}]'])
+    with pytest.raises(Exception, match="option of kind = 'self_consistency'"):
+        load_config(SMOKE, ['reward=[{kind = "self_judge", restrain = "paper"}]'])
+
+
 def test_self_consistency_without_verified_tasks_is_plain_ttrl():
     trajs = _two_groups()
     out = SelfConsistency("sc", last_number, 0.0, 0.0, 0.0, 4, 0.9).score(trajs, [0.0] * 8)
@@ -252,6 +315,30 @@ def test_grpo_with_self_consistency_and_the_penalty_reaching_the_advantages(tmp_
                 assert s["advantage"] == pytest.approx(0.0 if unanimous else -0.5, abs=1e-6)
     saved = json.loads((run / "checkpoints" / "step_000002" / "state.json").read_text())
     assert set(saved["rewards"]) == {"self_consistency"} and saved["rewards"]["self_consistency"]["steps"] == 2
+
+
+def test_grpo_with_restrain_as_the_paper_defines_it(tmp_path):
+    """restrain = 'paper', the env's reward kept (weight 1) and self_consistency at weight 2,
+    kappa = 1: every non-unanimous group's samples get advantage -2 * 0.5 = -1 whatever their
+    env rewards; a unanimous group keeps GRPO's advantage of its totals."""
+    run = tmp_path / "sc"
+    B, G = 2, 4
+    cfg = load_config(SMOKE, [*FAST, "run.log_samples=8", 'reward=[{kind = "self_consistency", weight = 2.0, min_agreement = 1.0, '
+                              'penalty = 0.5, restrain = "paper"}]'])
+    grpo.train(cfg, run, log=lambda *_: None)
+    env = ArithmeticEnv()
+    samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    seen = 0
+    for step in (1, 2):
+        mine = [s for s in samples if s["step"] == step]
+        assert len(mine) == B * G
+        for g in range(B):
+            group = mine[g * G : (g + 1) * G]
+            votes = [vote_key(env.parse(s["completion"])) for s in group]
+            if not (votes[0] is not None and len(set(votes)) == 1):
+                seen += 1
+                assert [s["advantage"] for s in group] == pytest.approx([-1.0] * G, abs=1e-6)
+    assert seen > 0  # the tiny model's replies disagree
 
 
 def test_grpo_with_self_judge_logs_it_next_to_the_verified_reward(tmp_path):
