@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -42,6 +43,16 @@ class AgentConfig(BaseModel):
         "Reply with exactly one action from the list and nothing else.",
         description="the last line of every prompt",
     )
+    # --- chat episodes and tool calls (issue 48; recursa/chat.py, recursa/envs/tools.py, docs/chat.md) ---
+    episode: Literal["turn", "chat"] = Field(
+        "turn", description="turn: each turn's prompt rendered afresh (task, recent history, observation); chat: one growing conversation, "
+        "each turn's prompt the previous turn's tokens plus the new messages' tokens, never re-rendered (docs/chat.md)")
+    chat_template: str | None = Field(None, description="chat episodes: a Jinja chat template (text, or the path of a .jinja file) used in place of the tokenizer's")
+    max_context_tokens: int = Field(4096, gt=0, description="chat episodes: an episode whose next prompt plus sampling.max_new_tokens would pass this ends (finish reason 'context')")
+    max_tool_calls: int = Field(8, ge=0, description="chat episodes: tool calls per episode at most; later calls are answered with a limit message")
+    tool_seconds: float = Field(20.0, gt=0, description="chat episodes: seconds of tool time per episode in all; a call past it is abandoned as timed out")
+    max_tool_result_chars: int = Field(2000, gt=0, description="chat episodes: a tool result longer than this is cut")
+    max_tool_call_chars: int = Field(4000, gt=0, description="chat episodes: a <tool_call> block longer than this is refused unread")
 
 
 @dataclass

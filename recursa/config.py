@@ -443,6 +443,14 @@ class OptimConfig(_Section):
     max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping by global norm")
     logit_chunk: int = Field(512, gt=0, description="positions per chunk of the vocabulary projection")
     seed: int = Field(0, description="seed for task order, sampling and shuffling")
+    precision: Literal["fp32", "bf16"] = Field(
+        "fp32",
+        description="the learner's forwards (old, reference and training log-probs, the supervised step): fp32, or bf16 autocast over float32 "
+        "master weights, gradients and AdamW state (recursa/distributed/precision.py; the sampler is not affected)",
+    )
+    activation_checkpointing: bool = Field(
+        False, description="recompute each decoder layer's activations in the backward instead of keeping them (less memory, about one more forward)",
+    )
 
 
 class TrainConfig(OptimConfig):
@@ -472,6 +480,12 @@ class TrainConfig(OptimConfig):
         "real step, as in TRL and verl); true skips such steps, leaving the weights and the optimizer state as they are "
         "(counted as policy/skipped_steps; they do not advance the warm-up)",
     )
+
+    @model_validator(mode="after")
+    def _checkpointing(self) -> "TrainConfig":
+        if self.activation_checkpointing and self.shared_prefix:
+            raise ValueError("train.activation_checkpointing drops the KV cache the shared-prefix forward runs on: set train.shared_prefix = false with it")
+        return self
 
 
 class SupervisedConfig(OptimConfig):

@@ -208,6 +208,8 @@ def rollout_episodes(
     """
     tok = policy.tokenizer
     engine = engine or NativeEngine(policy)
+    if agent.episode == "chat":  # issue 48: one growing conversation per episode, token-exact across turns (recursa/chat.py)
+        return _chat_episodes(policy, envs, seeds, group_size, sampling, generator, system_prompt, agent, hints, engine, prefixes)
     if getattr(engine, "continuous", False):
         return _continuous_episodes(policy, envs, seeds, group_size, sampling, generator, system_prompt, agent, hints, engine, prefixes=prefixes)
     n = len(seeds) * group_size
@@ -217,6 +219,7 @@ def rollout_episodes(
     envs = as_pool(envs).take(n)
     episode_seeds = [s for s in seeds for _ in range(group_size)]
     obs = [env.reset(seed) for env, seed in zip(envs, episode_seeds)]
+    _no_tools(envs)  # issue 48: tools are offered in chat episodes only
     admissible = [env.admissible_actions() for env in envs]
     history: list[list[tuple[str, str]]] = [[] for _ in range(n)]
     turns: list[list[Turn]] = [[] for _ in range(n)]
@@ -261,6 +264,28 @@ def rollout_episodes(
         for i in range(n)
     ]
     return EpisodeRollout(episodes, stats, calls)
+
+
+def _chat_episodes(policy, envs, seeds, group_size, sampling, generator, system_prompt, agent, hints, engine, prefixes) -> EpisodeRollout:
+    """`agent.episode = "chat"` (issue 48): the episodes as chats, `recursa.chat.chat_episodes`."""
+    from recursa.chat import chat_episodes
+    from recursa.errors import UserError
+
+    if prefixes is not None:
+        raise UserError("rollout.branch replays turn-mode prompts; it needs agent.episode = 'turn'")
+    _streams_of(generator, len(seeds))  # checks a list of generators against the seeds
+    pool = as_pool(envs).take(len(seeds) * group_size)
+    episodes, stats, rounds = chat_episodes(policy.tokenizer, policy.causal_lm, pool, seeds, group_size, sampling, generator, system_prompt, agent,
+                                            _hints_of(hints, len(seeds)), engine)
+    return EpisodeRollout(episodes, stats, rounds)
+
+
+def _no_tools(envs) -> None:
+    """A one-line UserError when the game offers tools: the turn mode cannot show them (issue 48)."""
+    if envs and getattr(envs[0], "tools", None):
+        from recursa.errors import UserError
+
+        raise UserError(f"env {envs[0].name!r} offers tools, which only chat episodes use: set agent.episode = 'chat'")
 
 
 def _take_turn(tok, env, prompt: list[int], sample, obs: str, admissible, anchor, agent: AgentConfig):
@@ -345,6 +370,7 @@ def _continuous_episodes(
     envs = as_pool(envs).take(n)
     episode_seeds = [s for s in seeds for _ in range(group_size)]
     obs = [env.reset(seed) for env, seed in zip(envs, episode_seeds)]
+    _no_tools(envs)  # issue 48: tools are offered in chat episodes only
     admissible = [env.admissible_actions() for env in envs]
     history: list[list[tuple[str, str]]] = [[] for _ in range(n)]
     turns: list[list[Turn]] = [[] for _ in range(n)]
