@@ -242,7 +242,7 @@ def tools_of(env: Any) -> list[Tool]:
     tools = list(value)
     bad = [t for t in tools if not isinstance(t, Tool)]
     if bad:
-        raise ValueError(f"env {getattr(env, 'name', '?')!r}: tools must be recursa.tools.Tool objects, got {type(bad[0]).__name__}")
+        raise ValueError(f"env {getattr(env, 'name', '?')!r}: tools must be recursa.envs.tools.Tool objects, got {type(bad[0]).__name__}")
     return tools
 
 
