@@ -693,6 +693,12 @@ class BStarConfig(_Section):
         "threshold below every reward), so the term is the share of distinct samples that succeed; success: only the successes, which is "
         "what expert iteration keeps, so the term is 1 and the score measures exploration alone",
     )
+    denominator: Literal["all", "selected"] = Field(
+        "all",
+        description="the tasks the balance score averages over: all, every probe task (one with nothing selected scores 0, so solving fewer "
+        "tasks never scores higher); selected, only the tasks with a selected sample, as B-STaR's paper and release define it (the two can "
+        "choose different candidates, docs/curriculum.md)",
+    )
 
     @field_validator("temperatures")
     @classmethod

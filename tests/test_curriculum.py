@@ -124,6 +124,71 @@ def test_balance_score_by_hand():
     assert math.isnan(balance_score([[("x", False, False)]], 2).exploitation)
 
 
+def test_balance_score_denominator_by_hand():
+    """B-STaR's paper and release average bs_i over the queries with a selected response. n* = 4,
+    only successes selected. One task with 4 distinct correct samples (bs = 1 x 1) and three with
+    none: 'all' 1/4, 'selected' 1/1. Four tasks with 2 distinct correct samples each (bs = 2/4 x 1):
+    1/2 under both, so the two denominators pick different settings."""
+    solved_one = [[(k, True, True) for k in "abcd"]] + [[("x", False, False)] * 4 for _ in range(3)]
+    solved_all = [[(k, k in "ac", k in "ac") for k in "abcd"] for _ in range(4)]
+    assert balance_score(solved_one, 4).score == pytest.approx(0.25)
+    assert balance_score(solved_one, 4, "selected").score == pytest.approx(1.0)
+    assert balance_score(solved_all, 4).score == balance_score(solved_all, 4, "selected").score == pytest.approx(0.5)
+    # the earlier hand-worked batch: bs = 1/3, 0 (two wrong samples, both selected), 1 -> every task has a selected sample
+    mixed = [[("a", True, True), ("b", True, False), ("c", True, True)], [("x", True, False)], [(k, True, True) for k in "pqrst"]]
+    assert balance_score(mixed, 4, "selected").score == pytest.approx(balance_score(mixed, 4).score) == pytest.approx((1 / 3 + 1) / 3)
+    # a task with nothing selected leaves the mean; no task with one: 0, not NaN
+    part = [[("a", True, True)], [("b", False, False)]]
+    assert balance_score(part, 2).score == pytest.approx(0.25) and balance_score(part, 2, "selected").score == pytest.approx(0.5)
+    assert balance_score([[("x", False, False)]], 2, "selected").score == 0.0
+    with pytest.raises(ValueError, match="denominator"):
+        balance_score(part, 2, "queries")
+
+
+class _OneOrAllRollouts:
+    """T = 0.5: the first probe task gets 4 distinct correct replies, the others one wrong reply;
+    T = 1.0: every task 4 distinct replies, the 1st and 3rd correct."""
+
+    name = "fake"
+
+    def rollout(self, seeds, group_size, sampling, generator, system_prompt, hints=None):
+        out = []
+        for i, seed in enumerate(seeds):
+            for k in range(group_size):
+                if sampling.temperature == 0.5:
+                    text, ok = ("abcd"[k % 4], True) if i == 0 else ("x", False)
+                else:
+                    text, ok = "abcd"[k % 4], k % 2 == 0
+                out.append(Trajectory("fake", seed, i, [1, 2], [0, 1], [0.0, -1.0], float(ok), ok, text, "q"))
+        return RolloutResult(out, None)
+
+
+@pytest.mark.parametrize("denominator, want", [("all", (1.0, 0.5)), ("selected", (0.5, 1.0))])
+def test_bstar_denominator_flips_the_choice(denominator, want):
+    from recursa.recipes.rft import bstar_choice
+
+    cfg = load_config(None, ["recipe=rft", "curriculum.bstar.enabled=true", "curriculum.bstar.temperatures=[0.5, 1.0]",
+                             "curriculum.bstar.samples=[4]", "curriculum.bstar.probe_tasks=4", "curriculum.bstar.n_star=4",
+                             "curriculum.bstar.selected=success", f"curriculum.bstar.denominator={denominator}"])
+    choice = bstar_choice(_OneOrAllRollouts(), cfg, 0, None, False, lambda rng: split_seed("train", rng.randrange(100)))
+    assert (choice.temperature, choice.balance.score) == pytest.approx(want)
+
+
+def test_rft_with_bstar_selected_denominator_end_to_end(tmp_path):
+    from recursa.recipes import rft
+
+    sets = ["recipe=rft", *FAST, "env.name=toy-corridor", "env.kwargs={max_steps = 3}", "rft.tasks_per_round=2", "rft.group_size=2",
+            "curriculum.bstar.enabled=true", "curriculum.bstar.temperatures=[0.7, 1.3]", "curriculum.bstar.samples=[2]",
+            "curriculum.bstar.probe_tasks=2", "curriculum.bstar.selected=success", "curriculum.bstar.denominator=selected",
+            "eval.after=false", "rft.rounds=1"]
+    run = rft.train(load_config(None, sets), tmp_path / "sel", log=lambda *_: None)
+    rows = _train_rows(run)
+    assert len(rows) == 1 and rows[0]["curriculum/bstar_temperature"] in (0.7, 1.3)
+    assert 0.0 <= rows[0]["curriculum/bstar_balance"] <= 1.0
+    with pytest.raises(Exception, match="denominator"):
+        load_config(None, ["recipe=rft", "curriculum.bstar.enabled=true", "curriculum.bstar.denominator=queries"])
+
+
 def test_best_candidate_takes_the_first_of_equal_scores():
     assert best_candidate([0.2, 0.5, 0.5, 0.1]) == 1
     with pytest.raises(ValueError):

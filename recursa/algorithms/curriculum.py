@@ -27,13 +27,18 @@ Exploitation in Self-Taught Reasoners"). For task i with distinct selected sampl
 n_i are correct:
 
     bs_i = min(n_i / n*, 1) * n_i / |S_i|      (0 when nothing is selected)
-    BS   = mean over the probe tasks of bs_i
+    BS   = mean of bs_i over the probe tasks      (denominator "all", the default)
+    BS   = mean of bs_i over the tasks with |S_i| > 0      (denominator "selected"; 0 if none)
 
 The first factor is exploration (how many distinct correct samples, saturating at n*), the
 second exploitation (how much of what is selected is correct). Samples are deduplicated by
-their text before counting, as B-STaR's own selection does. Departure: a task with nothing
-selected scores 0 and stays in the mean (B-STaR averages over the queries that have selected
-samples), so a setting that solves fewer tasks cannot score higher for it.
+their text before counting, as B-STaR's own selection does. B-STaR's paper and release
+average over the queries that have a selected response ("selected"); recursa's default keeps
+a task with nothing selected in the mean at 0 ("all"), so a setting that solves fewer tasks
+cannot score higher for it. The two can choose different settings: with only the successes
+selected, one task solved by 4 distinct correct samples of 4 (n* = 4) and three unsolved
+scores 1/4 under "all" and 1 under "selected", four tasks with 2 correct samples each 1/2
+under both.
 """
 
 from __future__ import annotations
@@ -123,12 +128,16 @@ class BalanceScore:
     exploitation: float  # mean of n_i / |S_i| over the tasks with a selected sample (NaN if none)
 
 
-def balance_score(tasks: Sequence[Sequence[tuple[Hashable, bool, bool]]], n_star: int) -> BalanceScore:
+def balance_score(tasks: Sequence[Sequence[tuple[Hashable, bool, bool]]], n_star: int, denominator: str = "all") -> BalanceScore:
     """B-STaR's balance score of a probe batch. `tasks[i]` lists task i's samples as
     (key, selected, correct): samples with equal keys are one response (the first occurrence
-    counts), `selected` says whether selection keeps it, `correct` whether it is right."""
+    counts), `selected` says whether selection keeps it, `correct` whether it is right.
+    `denominator`: "all" averages bs_i over every task, "selected" over the tasks with a
+    selected sample (B-STaR's paper and release; 0 when no task has one)."""
     if n_star < 1:
         raise ValueError(f"n_star must be >= 1, got {n_star}")
+    if denominator not in ("all", "selected"):
+        raise ValueError(f"denominator must be 'all' or 'selected', got {denominator!r}")
     if not tasks:
         raise ValueError("need at least one task")
     scores, explore, exploit = [], [], []
@@ -146,8 +155,9 @@ def balance_score(tasks: Sequence[Sequence[tuple[Hashable, bool, bool]]], n_star
             scores.append(e * x)
         else:
             scores.append(0.0)
+    scored = len(scores) if denominator == "all" else len(exploit)  # exploit: one entry per task with a selected sample
     return BalanceScore(
-        score=sum(scores) / len(scores),
+        score=sum(scores) / scored if scored else 0.0,
         exploration=sum(explore) / len(explore),
         exploitation=sum(exploit) / len(exploit) if exploit else float("nan"),
     )
