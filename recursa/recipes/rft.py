@@ -212,7 +212,7 @@ def bstar_choice(rollouts: RolloutBackend, cfg: RFTConfig, round_index: int, gen
         attempts, _ = sample_attempts(rollouts, cfg, seeds, gen, multi_turn, group_size=width, temperature=temperature)
         for g in bc.samples:
             tasks = [[(a.key, bc.selected == "all" or a.success, a.success) for a in attempts[i * width : i * width + g]] for i in range(len(seeds))]
-            candidates.append((temperature, g, balance_score(tasks, bc.n_star)))
+            candidates.append((temperature, g, balance_score(tasks, bc.n_star, bc.denominator)))
     t, g, score = candidates[best_candidate([c[2].score for c in candidates])]
     return BStarChoice(t, g, score, len(bc.temperatures) * len(seeds) * width)
 
