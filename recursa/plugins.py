@@ -54,4 +54,5 @@ METHODS = Registry("training method", "methods", "recursa.methods", {
 ENVS = Registry("env", "env.name", "recursa.envs", {
     "arithmetic": ("recursa.envs.arithmetic:ArithmeticEnv", "built-in arithmetic; kwargs: difficulty=0..4, answer_format=last_number|tag|exact"),
     "household": ("recursa.envs.household:HouseholdEnv", "ALFWorld-style home, multi-turn; kwargs: rooms, objects_per_room, distractors, tasks, max_steps"),
+    "search": ("recursa.envs.search:SearchEnv", "search agent (chat episodes, a BM25 search tool) over an invented encyclopedia per seed; kwargs: hops=1|2, people, towns, provinces, k"),
 })
