@@ -1072,7 +1072,12 @@ class TeacherConfig(_Section):
     divergence: Literal["forward", "reverse", "jsd"] = Field(
         "jsd", description="mode 'distribution': D_t = KL(teacher || student) (forward), KL(student || teacher) (reverse) or their Jensen-Shannon divergence (jsd)"
     )
-    topk: int = Field(20, ge=1, description="mode 'distribution': the teacher's most likely tokens kept at each action position (the rest of its mass is one tail cell)")
+    topk: int = Field(20, ge=1, description="mode 'distribution': the most likely tokens kept at each action position (the rest of the mass is one tail cell)")
+    topk_from: Literal["teacher", "student"] = Field(
+        "teacher",
+        description="mode 'distribution': whose top-k tokens the divergence keeps: teacher, the hinted teacher's (recursa's default); student, the "
+        "student's at the step's weights, as SDPO takes them (the teacher's log-probs then read at the student's ids; one more scoring pass)",
+    )
     route: Literal["all", "failed"] = Field("all", description="rows the teacher term applies to: all, or only trajectories that failed (SRPO routing)")
     weighting: Literal["none", "pass_rate"] = Field("none", description="pass_rate: the teacher term of each trajectory x sqrt(p (1 - p)), p = its group's pass rate (SC-SDPO)")
     scale: Literal["std", "mad", "none"] = Field("std", description="psi: Delta divided by this batch scale over the teacher rows' tokens")

@@ -255,6 +255,27 @@ def test_topk_divergence_against_hand_computation():
         topk_divergence(s, t([[[0.0, 0.0]]]), "jsd")
 
 
+def test_topk_set_from_the_student_or_the_teacher_by_hand():
+    """Issue 50: SDPO keeps the student's top-k, recursa by default the teacher's. A 4-token
+    vocabulary, p_S = (.5, .3, .1, .1), p_T = (.1, .2, .3, .4), k = 2, forward KL(T || S) over
+    the k tokens and the tail cell.
+    teacher's set {3, 2}: T cells (.4, .3, .3), S cells (.1, .1, .8);
+    student's set {0, 1}: S cells (.5, .3, .2), T cells (.1, .2, .7)."""
+    p_s, p_t = torch.tensor([0.5, 0.3, 0.1, 0.1]), torch.tensor([0.1, 0.2, 0.3, 0.4])
+
+    def kl(a, b):
+        return sum(x * math.log(x / y) for x, y in zip(a, b))
+
+    for ids, t_cells, s_cells in (([3, 2], (0.4, 0.3, 0.3), (0.1, 0.1, 0.8)), ([0, 1], (0.1, 0.2, 0.7), (0.5, 0.3, 0.2))):
+        student = p_s[ids].log().view(1, 1, 2)
+        teacher = p_t[ids].log().view(1, 1, 2)
+        got = topk_divergence(student, teacher, "forward")
+        assert got.item() == pytest.approx(kl(t_cells, s_cells), rel=1e-5)
+    # the two sets disagree on this pair: 0.4 log 4 + 0.3 log 3 + 0.3 log(3/8) vs 0.1 log(1/5) + 0.2 log(2/3) + 0.7 log(7/2)
+    assert kl((0.4, 0.3, 0.3), (0.1, 0.1, 0.8)) == pytest.approx(0.4 * math.log(4) + 0.3 * math.log(3) + 0.3 * math.log(3 / 8))
+    assert kl((0.1, 0.2, 0.7), (0.5, 0.3, 0.2)) == pytest.approx(0.1 * math.log(0.2) + 0.2 * math.log(2 / 3) + 0.7 * math.log(3.5))
+
+
 def test_forward_divergence_gradient_is_softmax_minus_teacher():
     # a 3-token vocabulary, the teacher's top 2 ids: the tail is exactly the third token, so
     # KL(T || S) is the full forward KL and its gradient in the student's logits z is p_S - p_T

@@ -207,6 +207,45 @@ def test_skills_in_context_put_the_hint_in_the_policys_prompts(tiny_policy):
     assert hits > 0
 
 
+def test_teacher_topk_from_the_student(tiny_policy):
+    """teacher.topk_from = 'student' (SDPO): the ids are the student's (bare context) k most likely
+    tokens at each action position and the log-probs the hinted teacher's at those ids, both
+    checked against a full softmax of each context's logits."""
+    tok = tiny_policy.tokenizer
+    hint = skill_hint([GOOD_SKILL])
+    ro = rollout(tiny_policy, lambda: make_env("toy-digits"), [3, 4], 2, SamplingParams(max_new_tokens=4), torch.Generator().manual_seed(0), None)
+    attempts = completion_attempts(ro.trajectories, 1, [None, None])
+    cfg = _cfg("env.name=toy-digits", "teacher.mode=distribution", "teacher.topk_from=student")
+    rows, contexts = ro.trajectories, [a.contexts[0] for a in attempts]
+    k = 8
+    teacher, student, top = teacher_logprobs(tiny_policy, rows, contexts, [hint] * len(rows), cfg, None, topk=k, topk_from="student")
+    model = tiny_policy.causal_lm
+    for row, ctx, (ids, logp) in zip(rows, contexts, top):
+        first = row.action_mask.index(1)
+        actions = row.token_ids[first:]
+        full = {}
+        for name, prompt in (("student", render_prompt(tok, user_message(ctx, cfg.agent), None)), ("teacher", render_prompt(tok, user_message(ctx, cfg.agent, hint), None))):
+            x = torch.tensor([prompt + actions])
+            with torch.no_grad():
+                logits = model(input_ids=x).logits[0].float() / cfg.sampling.temperature
+            full[name] = torch.log_softmax(logits[len(prompt) - 1 : len(prompt) - 1 + len(actions)], dim=-1)  # (actions, V)
+        want_ids = full["student"].topk(k, dim=-1).indices
+        assert torch.equal(ids.cpu(), want_ids)
+        torch.testing.assert_close(logp.cpu(), full["teacher"].gather(-1, want_ids), atol=1e-4, rtol=1e-4)
+    # the default keeps the teacher's own top-k
+    _, _, top_t = teacher_logprobs(tiny_policy, rows, contexts, [hint] * len(rows), cfg, None, topk=k)
+    assert any(not torch.equal(a, b) for (a, _), (b, _) in zip(top, top_t))
+
+
+def test_rsipo_distribution_with_the_students_topk_end_to_end(tmp_path):
+    path = REPO / "examples" / "rsipo_ablations" / "opsd_distribution.toml"
+    cfg = load_config(path, ["train.steps=1", "eval.n=0", "run.threads=1", "train.group_size=2", "skills.candidates=2", "teacher.topk_from=student"])
+    (row,) = _train_rows(rsipo.train(cfg, tmp_path / "sdpo_topk", log=lambda *_: None))
+    assert row["loss/distill"] > 0 and 0 < row["teacher/distill_topk_mass"] <= 1
+    with pytest.raises(Exception, match="topk_from"):
+        load_config(path, ["teacher.topk_from=both"])
+
+
 def test_recipe_with_skills_in_context(tmp_path, monkeypatch):
     """A skill admitted at step 1 is in the policy's prompts at step 2 (and in the replay
     buffer's contexts); step 1, with an empty library, is the run without the option."""

@@ -78,10 +78,14 @@ per-token divergences D_t:
     "jsd"      (KL(P_T || M) + KL(P_S || M)) / 2, M = (P_T + P_S) / 2
 
 and the loss is the masked token mean of w_t D_t (``distribution_loss``), w_t the trust
-(and route) weight of the token's row.  Departure from SDPO, which takes the student's
-top-k at update time and so needs the teacher's full logits there: the teacher's top-k is
-taken once, when the teacher scores the rollout, and the update needs only the student's
-log-probs at those k ids.
+(and route) weight of the token's row.  Whose k tokens (`teacher.topk_from`): SDPO takes
+the student's top-k at update time, which needs the teacher's full logits there; recursa's
+default ("teacher") takes the teacher's top-k once, when the teacher scores the rollout, and
+the update needs only the student's log-probs at those k ids.  "student" takes the student's
+top-k (the bare context) at that same scoring pass, at the step's weights, and reads the
+teacher's log-probs at those ids: SDPO's set at the step's first optimizer update, fixed for
+the step's later ones (one more scoring pass).  The math here is the same either way; only
+the ids differ.
 
 All inputs except the log-probs of ``imitation_loss`` and the student's log-probs of
 ``topk_divergence`` / ``distribution_loss`` are treated as constants (detached).
@@ -388,11 +392,12 @@ def _kl_cells(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
 
 
 def topk_divergence(student: torch.Tensor, teacher: torch.Tensor, kind: str = "jsd") -> torch.Tensor:
-    """Per-position divergence between student and teacher collapsed onto the teacher's top-k
-    tokens plus a tail cell (see the module docstring).  (N, L, k), (N, L, k) -> (N, L)
+    """Per-position divergence between student and teacher collapsed onto k tokens (the teacher's
+    top-k, or the student's: `teacher.topk_from`) plus a tail cell (see the module docstring).
+    (N, L, k), (N, L, k) -> (N, L)
 
-    student  # (N, L, k) log pi_student(i_j) at the teacher's top-k ids (grad flows)
-    teacher  # (N, L, k) log pi_teacher(i_j), the teacher's k largest (detached)
+    student  # (N, L, k) log pi_student(i_j) at the k ids (grad flows)
+    teacher  # (N, L, k) log pi_teacher(i_j) at the same ids (detached)
     kind: "forward" KL(T || S), "reverse" KL(S || T), "jsd" the Jensen-Shannon divergence.
     Positions off the action tokens may hold anything finite (the loss masks them)."""
     if kind not in DIVERGENCES:
