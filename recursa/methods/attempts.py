@@ -112,12 +112,15 @@ def completion_attempts(trajs: list[Trajectory], step: int, hints: list[str | No
 
 
 @torch.no_grad()
-def score_actions(policy: Policy, pairs: list[tuple[list[int], list[int]]], cfg: RSIPOConfig, topk: int = 0):
+def score_actions(policy: Policy, pairs: list[tuple[list[int], list[int]]], cfg: RSIPOConfig, topk: int = 0,
+                  at_ids: list[torch.Tensor] | None = None):
     """log pi(a_t | prompt, a_<t) of every (prompt_ids, action_ids) pair under the current
     weights, no gradient: one (len(action_ids),) tensor per pair. Micro-batched, pairs with
     equal prompts side by side (so the shared-prefix path computes each prompt once). With
     `topk = k` also the k most likely tokens at each action position: (scores, tops), tops[i]
-    = (ids, log-probs), each (len(action_ids), k)."""
+    = (ids, log-probs), each (len(action_ids), k). With `at_ids` (one (len(action_ids), k) long
+    tensor per pair) instead the log-probs at those ids: (scores, tops) with tops[i] = (at_ids[i],
+    their log-probs)."""
     model = policy.causal_lm
     was_training = model.training
     model.eval()
@@ -139,15 +142,22 @@ def score_actions(policy: Policy, pairs: list[tuple[list[int], list[int]]], cfg:
             attn[j, : len(p) + len(a)] = 1
             act[j, len(p) : len(p) + len(a)] = 1
         ids, attn, act = ids.to(device), attn.to(device), act.to(device)
-        logp, _, *top = logprobs(model, ids, attn, act, cfg.sampling.temperature, cfg.train.logit_chunk, topk=topk)  # (n, width) [, ((n, width, k),) * 2]
+        at = None
+        if at_ids is not None:  # (n, width, k): each pair's ids at its action positions
+            at = torch.zeros((len(idx), width, at_ids[idx[0]].shape[-1]), dtype=torch.long, device=device)
+            for j, i in enumerate(idx):
+                at[j, len(pairs[i][0]) : len(pairs[i][0]) + len(pairs[i][1])] = at_ids[i].to(device)
+        logp, _, *top = logprobs(model, ids, attn, act, cfg.sampling.temperature, cfg.train.logit_chunk, topk=topk, at_ids=at)  # (n, width) [, third value]
         for j, i in enumerate(idx):
             p, a = pairs[i]
             out[i] = logp[j, len(p) : len(p) + len(a)].clone()
             if topk:
                 tops[i] = (top[0][0][j, len(p) : len(p) + len(a)].clone(), top[0][1][j, len(p) : len(p) + len(a)].clone())
+            elif at is not None:
+                tops[i] = (at_ids[i], top[0][j, len(p) : len(p) + len(a)].clone())
     if was_training:
         model.train()
-    return (out, tops) if topk else out
+    return (out, tops) if topk or at_ids is not None else out
 
 
 @dataclass

@@ -40,11 +40,12 @@ from recursa.methods.skills import SkillStep, skill_hint, skill_query
 
 
 def teacher_logprobs(policy: Policy, rows: list[Trajectory], contexts: list[Context], hints: list[str | None], cfg: RSIPOConfig, system: str | None,
-                     topk: int = 0):
+                     topk: int = 0, topk_from: str = "teacher"):
     """(teacher, student) log-probs of every row's action tokens, at the current weights, no
     gradient: log pi(a_t | context + hint) and log pi(a_t | context), zeros where the hint is
     None; with `topk = k` a third list, the teacher's k most likely tokens at each action
-    position, (ids, log-probs) of shape (actions, k) per row (zeros where the hint is None).
+    position, (ids, log-probs) of shape (actions, k) per row (zeros where the hint is None);
+    `topk_from = "student"`: the ids are the student's k most likely (SDPO), the log-probs the teacher's at them.
     The student context is the row's own prompt ids; the teacher's is the same user
     message rendered again with the hint inserted, through the same chat template; the action
     ids are the row's, untouched. A row whose policy saw a skill in context (ctx.hint) has the
@@ -60,7 +61,12 @@ def teacher_logprobs(policy: Policy, rows: list[Trajectory], contexts: list[Cont
         pairs.append((row.token_ids[:first] if ctx.hint is None else render_prompt(tok, user_message(ctx, cfg.agent), system), actions))
         pairs.append((render_prompt(tok, user_message(ctx, cfg.agent, hint), system), actions))
         which.append(i)
-    scores, tops = score_actions(policy, pairs, cfg, topk) if topk else (score_actions(policy, pairs, cfg), None)
+    if topk and topk_from == "student":  # the student's top-k ids, then the teacher's log-probs at them
+        s_scores, s_tops = score_actions(policy, pairs[0::2], cfg, topk)
+        t_scores, t_tops = score_actions(policy, pairs[1::2], cfg, at_ids=[ids for ids, _ in s_tops])
+        scores, tops = [x for st in zip(s_scores, t_scores) for x in st], [x for st in zip(s_tops, t_tops) for x in st]
+    else:
+        scores, tops = score_actions(policy, pairs, cfg, topk) if topk else (score_actions(policy, pairs, cfg), None)
     teacher = [torch.zeros(r.num_action_tokens, device=policy.device) for r in rows]
     student = [torch.zeros(r.num_action_tokens, device=policy.device) for r in rows]
     top = [(torch.zeros((r.num_action_tokens, topk), dtype=torch.long, device=policy.device), torch.zeros((r.num_action_tokens, topk), device=policy.device))
@@ -172,7 +178,7 @@ def teach(policy: Policy, played: Played, skills: SkillStep, library: SkillLibra
     hints, groups = teacher_hints(attempts, cfg, library, pool, multi_turn, G)
     row_hints = [hints[a] for a in row_attempt]
     topk = tc.topk if tc.mode == "distribution" else 0
-    teacher, student, *tops = teacher_logprobs(policy, played.rows, played.row_context, row_hints, cfg, system, topk)
+    teacher, student, *tops = teacher_logprobs(policy, played.rows, played.row_context, row_hints, cfg, system, topk, tc.topk_from)
     logp_teacher, logp_student = torch.zeros_like(mask), torch.zeros_like(mask)  # (n, L), aligned on the action tokens
     logp_teacher[mask.bool()], logp_student[mask.bool()] = torch.cat(teacher), torch.cat(student)
     top_ids = top_logp = None
