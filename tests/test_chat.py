@@ -322,3 +322,20 @@ def test_grpo_trains_in_chat_mode_on_the_tiny_model(tmp_path):
     assert all(r["policy/grad_norm"] > 0 for r in train_rows if "policy/grad_norm" in r)
     after = json.loads((run / "eval" / "after.json").read_text())
     assert after["n"] == 2 and after["mean_steps"] == 3.0
+
+
+def test_chat_episodes_under_continuous_batching(tiny_policy):
+    """rollout.continuous: each reply steps its episode at once and its next prompt, the
+    previous one plus the new tokens, is queued again (the prefix cache reuses the rest)."""
+    from conftest import CorridorEnv
+    from recursa.engines import NativeEngine
+    from recursa.rollout import rollout_episodes
+
+    engine = NativeEngine(tiny_policy, continuous=True)
+    ro = rollout_episodes(tiny_policy, lambda: CorridorEnv(max_steps=3), [0, 1], 2, SamplingParams(max_new_tokens=6), torch.Generator().manual_seed(0),
+                          None, AgentConfig(episode="chat"), engine=engine)
+    assert len(ro.episodes) == 4 and ro.turns == 3 and ro.stats.prefix_reused_tokens > 0
+    for e in ro.episodes:
+        assert len(e.turns) == 3
+        for prev, t in zip(e.turns, e.turns[1:]):
+            assert t.prompt_ids[: len(prev.prompt_ids) + len(prev.action_ids)] == prev.prompt_ids + prev.action_ids
