@@ -373,7 +373,8 @@ OUTCOME_OBJECTIVES = ("rebel", "nft", "apo")  # read each sequence's reward and 
 
 class AlgoConfig(_Section):
     advantage: str = Field(
-        "grpo", description="outcome advantage estimator: grpo, dr_grpo, rloo, reinforce_pp, gopo, gpg (alpha x (r - group mean), alpha = groups / "
+        "grpo", description="outcome advantage estimator: grpo, dr_grpo, rloo, reinforce_pp, gopo (ranks, ties by rollout order as GOPO's release), "
+        "gopo_avg (GOPO with ties sharing their average rank: a constant group gets 0), gpg (alpha x (r - group mean), alpha = groups / "
         "groups with unequal rewards), or one registered by name (recursa.plugins.ADVANTAGES, a 'recursa.advantages' entry point; docs/extending.md)",
     )
     objective: str = Field(

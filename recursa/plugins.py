@@ -27,7 +27,8 @@ ADVANTAGES = Registry("advantage estimator", "algo.advantage", "recursa.advantag
     "dr_grpo": ("recursa.algorithms.advantages:dr_grpo", "r - group mean (Dr. GRPO: no std normalisation)"),
     "rloo": ("recursa.algorithms.advantages:rloo", "r - mean of the other rewards of the group (leave one out)"),
     "reinforce_pp": ("recursa.algorithms.advantages:reinforce_pp", "r - group mean, normalised over the whole batch (REINFORCE++)"),
-    "gopo": ("recursa.algorithms.advantages:gopo", "the rank of r within its group, centred (GOPO)"),
+    "gopo": ("recursa.algorithms.advantages:gopo", "the rank of r within its group, 2 - 4 (rho - 1) / (G - 1), ties by rollout order (GOPO, its release)"),
+    "gopo_avg": ("recursa.algorithms.advantages:gopo_avg", "GOPO's rank advantage with tied rewards sharing their average rank (a constant group gets 0)"),
     "gpg": ("recursa.algorithms.advantages:gpg", "alpha x (r - group mean), alpha = groups / groups with unequal rewards (GPG)"),
 })
 

@@ -10,6 +10,7 @@ from recursa.algorithms.advantages import (
     compute_advantages,
     dr_grpo,
     gopo,
+    gopo_avg,
     grpo,
     reinforce_pp,
     rloo,
@@ -142,6 +143,38 @@ def test_gopo_paper_scale_and_ties():
     # [2, 5, 2, 7, 5], G = 5, A = 2 - (rho - 1): 7 rho 1, 5s rho 2, 3, 2s rho 4, 5
     close(gopo(torch.tensor([[2.0, 5.0, 2.0, 7.0, 5.0]])), [[-1.0, 1.0, -2.0, 2.0, 0.0]])
     assert torch.equal(gopo(torch.tensor([[4.0]])), torch.zeros(1, 1))
+
+
+def test_gopo_avg_ties_share_their_average_rank_by_hand():
+    """rho - 1 = #greater + (#equal - 1) / 2, A = 2 - 4 (rho - 1) / (G - 1)."""
+    close(gopo_avg(torch.tensor([[5.0, 5.0, 1.0]])), [[1.0, 1.0, -2.0]])  # the release: [2, 0, -2]
+    # [2, 5, 2, 7, 5], G = 5: 7 -> 0 -> 2; the 5s 1 + 1/2 -> 1/2; the 2s 3 + 1/2 -> -3/2
+    close(gopo_avg(torch.tensor([[2.0, 5.0, 2.0, 7.0, 5.0]])), [[-1.5, 0.5, -1.5, 2.0, 0.5]])
+    # REWARDS: [1, 0, 0, 1] -> ranks 1/2, 5/2 -> +-4/3; constant -> 0; [1, 1, 1, 0] -> rank 1 -> 2/3, rank 3 -> -2
+    close(gopo_avg(REWARDS), [[4 / 3, -4 / 3, -4 / 3, 4 / 3], [0.0] * 4, [2 / 3, 2 / 3, 2 / 3, -2.0]])
+    # without ties it is GOPO itself
+    distinct = torch.tensor([[3.0, -1.0, 10.0, 0.5]])
+    assert torch.equal(gopo_avg(distinct), gopo(distinct))
+    assert torch.equal(gopo_avg(torch.tensor([[4.0]])), torch.zeros(1, 1))
+    assert torch.equal(compute_advantages("gopo_avg", REWARDS), gopo_avg(REWARDS))
+
+
+def test_grpo_run_with_gopo_avg(tmp_path):
+    import json
+    from pathlib import Path
+
+    from recursa.config import load_config
+    from recursa.recipes import grpo as recipe
+
+    smoke = str(Path(__file__).resolve().parents[1] / "examples" / "smoke.toml")
+    cfg = load_config(smoke, ["model.name=tiny-random", "run.threads=1", "eval.n=2", "train.steps=2", "algo.advantage=gopo_avg"])
+    run = recipe.train(cfg, tmp_path / "gopo_avg", log=lambda *_: None)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if "reward/mean" in line]
+    assert len(rows) == 2
+    for r in rows:  # a constant group contributes 0, a mixed one at most 2 in absolute value
+        assert 0.0 <= r["advantage/abs_mean"] <= 2.0
+        if r["reward/zero_std_groups"] == 1.0:
+            assert r["advantage/abs_mean"] == 0.0
 
 
 def test_gopo_monotone_invariance():

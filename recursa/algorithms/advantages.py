@@ -24,12 +24,20 @@ unbiased std s = sqrt( sum_j (r_j - m)^2 / (G - 1) ).
   rounding, and subtracting it would give constant groups a nonzero advantage.
   So we only divide.  S is computed as the std around the batch mean of c
   (``torch.std``), which equals the root mean square up to that same rounding.
-* ``gopo``         rank-based:  A_i = (rank_i - (G-1)/2) / ((G-1)/2)
-  where rank_i in {0..G-1} is the 0-based rank of r_i within its group and tied
-  rewards share their average rank:  rank_i = #{j: r_j < r_i} + (#{j: r_j = r_i} - 1)/2.
-  The mean rank is always (G-1)/2, so A sums to 0 per group; without ties A
-  spans [-1, 1] in equal steps.  Only comparisons of rewards are used, so A is
-  invariant under any strictly increasing transform of the rewards.
+* ``gopo``         rank-based, as GOPO's paper and release define it:
+                   A_i = 2 - 4 (rho_i - 1) / (G - 1),  rho_i the 1-based descending rank of r_i
+  in its group, so A spans [-2, 2] in equal steps and sums to 0 per group.  Ties are broken by
+  sort order, as the release does (a stable descending sort: among equal rewards the earlier
+  rollout ranks higher), so a constant group gets the full spread 2, ..., -2 by rollout index.
+  Only comparisons of rewards are used, so A is invariant under any strictly increasing
+  transform of the rewards.
+* ``gopo_avg``     the same scale with tied rewards sharing their average rank,
+                   rho_i - 1 = #{j: r_j > r_i} + (#{j: r_j = r_i} - 1) / 2,
+  so a constant group gets exactly 0 (``[[5, 5, 1]]``: [1, 1, -2]; the release: [2, 0, -2]).
+  Why a second rule: a constant group's sort-order advantages depend on the rollout index
+  only, so their expected gradient is 0 and they add variance alone; on a softmax bandit
+  where most groups start constant (docs/objectives.md, "Conventions") that noise slowed
+  learning under Adam.
 * ``gpg``          A_i = alpha (r_i - m),  alpha = B / B_valid     (Chu et al. 2025, GPG)
   B_valid is the number of groups whose rewards are not all equal.  Those groups
   carry the whole gradient, yet a token-mean loss divides by every row; alpha scales
@@ -41,7 +49,8 @@ unbiased std s = sqrt( sum_j (r_j - m)^2 / (G - 1) ).
 Conventions shared by all estimators:
 
 * A group whose rewards are all equal (zero variance) has no learning signal;
-  its advantages are exactly 0.0 (forced, not left to floating-point luck).
+  its advantages are exactly 0.0 (forced, not left to floating-point luck), except
+  under ``gopo``, whose release ranks a constant group by rollout index.
 * A group of size G = 1 is a zero-variance group for grpo, dr_grpo,
   reinforce_pp, gopo and gpg (advantage 0); rloo raises, since its baseline is
   undefined.
@@ -61,6 +70,7 @@ __all__ = [
     "rloo",
     "reinforce_pp",
     "gopo",
+    "gopo_avg",
     "gpg",
     "ESTIMATORS",
     "compute_advantages",
@@ -166,6 +176,21 @@ def gopo(rewards: torch.Tensor) -> torch.Tensor:
     return 2.0 - 4.0 * rank.to(rewards.dtype) / (group_size - 1)
 
 
+def gopo_avg(rewards: torch.Tensor) -> torch.Tensor:
+    """GOPO's scale, A = 2 - 4 (rho - 1) / (G - 1), with tied rewards sharing their average rank
+    (rho - 1 = #greater + (#equal - 1) / 2), so ``[[5, 5, 1]]`` gives [1, 1, -2] and a constant
+    group exactly 0. G = 1 gives 0.  (B, G) -> (B, G)"""
+    rewards = _check_rewards(rewards)
+    group_size = rewards.shape[-1]
+    if group_size < 2:
+        return torch.zeros_like(rewards)
+    greater = (rewards.unsqueeze(-1) < rewards.unsqueeze(-2)).sum(-1)  # (B, G): #{j: r_j > r_i}
+    equal = (rewards.unsqueeze(-1) == rewards.unsqueeze(-2)).sum(-1)  # (B, G), counting i itself
+    rank = greater.to(rewards.dtype) + (equal - 1).to(rewards.dtype) / 2  # 0-based average descending rank
+    out = 2.0 - 4.0 * rank / (group_size - 1)
+    return torch.where(_constant_groups(rewards), torch.zeros_like(out), out)
+
+
 def gpg(rewards: torch.Tensor) -> torch.Tensor:
     """GPG advantage alpha (r - group mean), alpha = groups / groups with unequal rewards.  (B, G) -> (B, G)"""
     rewards = _check_rewards(rewards)
@@ -182,6 +207,7 @@ ESTIMATORS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "rloo": rloo,
     "reinforce_pp": reinforce_pp,
     "gopo": gopo,
+    "gopo_avg": gopo_avg,
     "gpg": gpg,
 }
 
