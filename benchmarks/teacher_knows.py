@@ -295,7 +295,49 @@ def summarise_context(name: str, per_item: list, gains: list, ranks: list, delta
 # ----------------------------------------------------------------------------- the probe
 
 
-def score_context(policy, cfg, system: str | None, trajs: list, attempts: list, per_item: list, per_attempt: list, refs: list[list[int]], G: int):
+def attempt_logprobs(policy, cfg, system: str | None, trajs: list, attempts: list, hints: list, student_cache: dict | None = None):
+    """(teacher, student) log-probs of every attempt's own tokens, as
+    `methods.teacher.teacher_logprobs` computes them (zeros where the hint is None). With
+    `student_cache` (a dict, attempt index -> student log-probs, shared by the contexts of
+    one probe) the student scores, the same for every context, are computed once: the
+    teacher prompt is rendered as `teacher_logprobs` renders it, the student prompt is the
+    attempt's own prompt ids (its context has no hint)."""
+    import torch
+
+    from recursa.methods.attempts import score_actions, user_message
+    from recursa.methods.teacher import teacher_logprobs
+    from recursa.rollout import render_prompt
+
+    contexts = [a.contexts[0] for a in attempts]
+    if student_cache is None or any(c.hint is not None for c in contexts):
+        return teacher_logprobs(policy, trajs, contexts, hints, cfg, system)
+    tok = policy.tokenizer
+    teacher = [torch.zeros(t.num_action_tokens, device=policy.device) for t in trajs]
+    student = [torch.zeros(t.num_action_tokens, device=policy.device) for t in trajs]
+    pairs, which, need = [], [], []
+    for i, (row, ctx, hint) in enumerate(zip(trajs, contexts, hints)):
+        if hint is None:
+            continue
+        first = row.action_mask.index(1)
+        actions = row.token_ids[first:]
+        if i not in student_cache:
+            pairs.append((row.token_ids[:first], actions))
+            need.append(i)
+        pairs.append((render_prompt(tok, user_message(ctx, cfg.agent, hint), system), actions))
+        which.append(i)
+    scores = score_actions(policy, pairs, cfg) if pairs else []
+    k, need = 0, set(need)
+    for i in which:
+        if i in need:
+            student_cache[i] = scores[k]
+            k += 1
+        teacher[i], student[i] = scores[k], student_cache[i]
+        k += 1
+    return teacher, student
+
+
+def score_context(policy, cfg, system: str | None, trajs: list, attempts: list, per_item: list, per_attempt: list, refs: list[list[int]], G: int,
+                  student_cache: dict | None = None):
     """Score one teacher context on sampled attempts (grouped, G per item): per item the
     reference gain (None without the context), the failed attempts' ranks at their first
     divergence, and per attempt the mean token Delta, raw and centred on its group, and
@@ -309,7 +351,6 @@ def score_context(policy, cfg, system: str | None, trajs: list, attempts: list, 
         trajectory_shift,
     )
     from recursa.methods.attempts import score_actions, user_message
-    from recursa.methods.teacher import teacher_logprobs
     from recursa.rollout import render_prompt
 
     tok, B = policy.tokenizer, len(per_item)
@@ -329,7 +370,7 @@ def score_context(policy, cfg, system: str | None, trajs: list, attempts: list, 
         ref_s[b], ref_t[b] = scored[2 * k], scored[2 * k + 1]
         gains[b] = reference_gains([ref_t[b]], [ref_s[b]])[0]
     # (c) the attempts' own tokens, teacher vs student, as training scores them
-    teacher, student = teacher_logprobs(policy, trajs, [a.contexts[0] for a in attempts], per_attempt, cfg, system)
+    teacher, student = attempt_logprobs(policy, cfg, system, trajs, attempts, per_attempt, student_cache)
     # (b) failed attempts at their first divergence from the reference, under the item's context
     ranks = []
     for b in have:
@@ -380,11 +421,11 @@ def probe(policy, cfg, pool, seeds: list[int], G: int, contexts: list[str], samp
     items = [{"seed": s, "question": attempts[b * G].task[:200], "reference": ref_texts[b],
               "correct": sum(success[b * G : (b + 1) * G]), "attempts": [attempts[i].texts[0][:80] for i in range(b * G, b * G + 2)], "gain": {}}
              for b, s in enumerate(seeds)]
-    summaries = {}
+    summaries, student_cache = {}, {}  # the bare policy's scores of the attempts, computed once for all contexts
     for name in contexts:
         t1 = time.perf_counter()
         per_item, per_attempt = item_contexts(name, env, seeds, attempts, cfg, pool, G)
-        gains, ranks, md, centred, hinted = score_context(policy, cfg, system, trajs, attempts, per_item, per_attempt, refs, G)
+        gains, ranks, md, centred, hinted = score_context(policy, cfg, system, trajs, attempts, per_item, per_attempt, refs, G, student_cache)
         for b, g in enumerate(gains):
             if g is not None:
                 items[b]["gain"][name] = round(g, 4)
@@ -439,6 +480,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--warm-start", default=None, help="an SFT run whose last checkpoint is probed (default: the base model)")
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads (1 is faster on a busy 2-core machine)")
     p.add_argument("--tiny", action="store_true", help="the tiny random model (checks the script)")
     p.add_argument("--out", default=None, help="the run's JSON (default: benchmarks/results/teacher_knows/<task>.json)")
     p.add_argument("--table", action="store_true", help="render the JSONs under --results to markdown and exit")
@@ -474,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
     from recursa.models import load_policy
 
     torch.manual_seed(0)
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     sets = ["model.name=tiny-random"] if args.tiny else ["model.name=smollm2-135m-instruct"]
     if args.warm_start:
         sets.append(f'init.from_run="{args.warm_start}"')
@@ -502,6 +544,7 @@ def main(argv: list[str] | None = None) -> int:
               "model_label": ("tiny" if args.tiny else "135M") + (f" from {args.warm_start}" if args.warm_start else ""),
               "warm_start": args.warm_start, "items": args.items, "group_size": args.group_size, "max_new_tokens": args.max_new_tokens,
               "temperature": args.temperature, "first_seed": FIRST_SEED, "advantage": cfg.algo.advantage, "prompts_per_step": cfg.train.prompts_per_step,
+              "threads": args.threads,
               "command": "python benchmarks/teacher_knows.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "torch": torch.__version__, **body}
     out = Path(args.out) if args.out else RESULTS / f"{name}.json"

@@ -136,6 +136,23 @@ def test_gain_ranks_and_delta_on_the_hand_set_model(case):
     assert hinted == [True] * 8
 
 
+def test_cached_student_scores_equal_the_library_teacher_logprobs(case):
+    """attempt_logprobs with a student cache: the first context fills it, a second context
+    (other hints, some None) reuses it; both equal `teacher_logprobs`, zeros where no hint."""
+    from recursa.methods.teacher import teacher_logprobs
+
+    tk = _tk()
+    contexts = [a.contexts[0] for a in case.attempts]
+    cache = {}
+    for hints in ([case.hint] * 4 + [None] * 4, [None, "A correct answer: 7"] + [case.hint] * 6):
+        t, s = tk.attempt_logprobs(case.policy, case.cfg, None, case.trajs, case.attempts, hints, cache)
+        t0, s0 = teacher_logprobs(case.policy, case.trajs, contexts, hints, case.cfg, None)
+        for a, b in zip(t + s, t0 + s0):
+            assert torch.allclose(a, b, atol=1e-6)
+        assert all(not x.any() for x, h in zip(t + s, hints * 2) if h is None)
+    assert sorted(cache) == list(range(8))
+
+
 def test_summary_of_the_crafted_case(case):
     """The whole summary: corr(Delta, A) over item 0 (item 1 is all-fail, A = 0) is corr(share in
     R, reward) = 0.5 / sqrt(0.5 x 0.75); trust follows the agreement trials by hand."""
