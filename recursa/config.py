@@ -1506,10 +1506,17 @@ def _drop_none(obj: Any) -> Any:
 
 
 def dump_config(cfg: BaseModel) -> str:
-    """The resolved config as TOML (None values omitted: they are the defaults)."""
+    """The resolved config as TOML (None values omitted: they are the defaults). A config
+    whose tasks are [data] rows is written without env.name, which its loader would refuse
+    beside data.source (both name the task), so every run's config.toml reloads (issue 49)."""
     import tomli_w
 
-    return tomli_w.dumps(_drop_none(cfg.model_dump(mode="json")))
+    from recursa.envs.dataset import uses_dataset
+
+    data = _drop_none(cfg.model_dump(mode="json"))
+    if isinstance(data.get("env"), dict) and uses_dataset(cfg):
+        data["env"].pop("name", None)
+    return tomli_w.dumps(data)
 
 
 def describe(model: type[BaseModel] = GRPOConfig, prefix: str = "", defaults: BaseModel | None = None) -> list[str]:
