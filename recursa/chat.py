@@ -366,3 +366,33 @@ def _play(tokenizer, ep: _Live, sample, agent: AgentConfig) -> list[dict]:
     ep.obs = result.obs
     ep.admissible = result.info.get("admissible", ep.admissible)
     return [{"role": "user", "content": observation_message(ep.obs, ep.admissible, agent)}]
+
+
+# ---------------------------------------------------------------------------- demonstrations
+
+
+def oracle_transcript(env, seed: int, tokenizer, agent: AgentConfig, system_prompt: str | None = None) -> list[dict]:
+    """The chat an oracle plays on `env`'s item `seed`, as the messages chat mode shows the
+    policy: the system text (with the tools where the template does not render them), the
+    first user message, one assistant tool call per query of `env.oracle_queries()` with the
+    tool's real result, and the walkthrough's answer. Tool calls are written in the form the
+    template's family reads (a JSON list in one block where the template does not render
+    tools, the embedded SmolLM2's; one object per block otherwise). For a prefix-preserving
+    template, SFT on this transcript (`recursa.demos.transcript_row`, data.source = "jsonl")
+    trains on the very tokens a chat episode with these replies would hold."""
+    import json as _json
+
+    obs = env.reset(seed)
+    tools = tools_of(env)
+    chat = ChatTemplate(tokenizer, template_text(agent.chat_template), tools)
+    by_name = {t.name: t for t in tools}
+    system = system_prompt_of(env) or system_prompt
+    admissible = env.admissible_actions() if hasattr(env, "admissible_actions") else None
+    messages = chat.head(system) + [{"role": "user", "content": render_turn(getattr(env, "task", ""), obs, admissible, [], agent)}]
+    for query in env.oracle_queries():
+        call = {"name": "search", "arguments": {"query": query}}
+        body = _json.dumps(call) if chat.renders_tools else _json.dumps([call])
+        messages.append({"role": "assistant", "content": f"<tool_call>{body}</tool_call>"})
+        messages.append({"role": "tool", "name": "search", "content": str(by_name["search"].fn(query=query))})
+    messages.append({"role": "assistant", "content": env.walkthrough()[0]})
+    return chat.adapt(messages)

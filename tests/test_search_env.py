@@ -98,3 +98,26 @@ def test_the_oracle_searches_find_the_answer_first_in_every_world(hops):
         env.reset(seed)
         results = [env.search(q).split("\n")[0] for q in env.oracle_queries()]
         assert env.town in results[0] and env.answer in results[-1]
+
+
+@pytest.mark.parametrize("family", ["tiny-chatml", "smollm2"])
+def test_an_oracle_transcript_is_the_tokens_of_the_oracle_chat(family):
+    """SFT on a transcript (recursa.demos.transcript_row) trains the very tokens a chat episode
+    with the same replies holds, its assistant replies and nothing else as targets."""
+    from recursa.chat import oracle_transcript
+    from recursa.demos import transcript_row
+    from recursa.models import tiny_tokenizer
+    from test_chat import _embedded_tokenizer
+
+    tok = _embedded_tokenizer() if family == "smollm2" else tiny_tokenizer()
+    agent = AgentConfig(episode="chat")
+    messages = oracle_transcript(SearchEnv(), 11, tok, agent)
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user", "assistant", "user", "assistant"]
+    row = transcript_row(messages, tok, None, seed=11)
+    replies = [m["content"] for m in messages if m["role"] == "assistant"]
+    engine = Scripted(tok, replies)
+    (episode,), _, _ = chat_episodes(tok, None, [SearchEnv()], [11], 1, SamplingParams(max_new_tokens=64), None, None, agent, [None], engine)
+    last = episode.rows()[-1]
+    assert episode.won and row.token_ids[: len(last.token_ids)] == last.token_ids
+    targets = [t for t, m in zip(row.token_ids, row.action_mask) if m]
+    assert targets == [t for turn in episode.turns for t in turn.action_ids]
