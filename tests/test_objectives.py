@@ -228,6 +228,37 @@ def test_apo_value_and_loss_by_hand():
     torch.testing.assert_close(g, t([0.0, 2 * (-0.5) * 0.5 / 2]))
 
 
+def test_apo_values_from_a_stored_reference_sample_by_hand():
+    """A*-PO's stage 1: V*(x) = beta_1 log mean_j exp(r_j / beta_1) over N samples of pi_ref per
+    task, read back by seed. beta_1 = 0.5: [1, 0, 0, 0] -> 0.5 log((e^2 + 3) / 4); [1, 1] -> 1;
+    [0, 0, 0] -> 0. The regression then fits r - V* of the reference sample, not of the group."""
+    from types import SimpleNamespace
+
+    from recursa.algorithms.objectives import SEQUENCE_LOSSES, reference_values
+
+    stored = {7: [1.0, 0.0, 0.0, 0.0], 3: [1.0, 1.0], 5: [0.0, 0.0, 0.0]}
+    v = reference_values(stored, [7, 3, 5], beta=0.5)
+    torch.testing.assert_close(v, t([0.5 * LN((math.exp(2.0) + 3) / 4), 1.0, 0.0]))
+    with pytest.raises(ValueError, match="task 9 has no stored sample"):
+        reference_values(stored, [7, 9], beta=0.5)
+    with pytest.raises(ValueError, match="empty"):
+        reference_values({1: []}, [1], beta=0.5)
+    # the loss with V* from the stored sample: group rewards [1, 0] of task 7, S = [0, 0], beta_2 = 1:
+    # targets 1 - V, -V with V = 0.5 log((e^2 + 3) / 4) ~ 0.47723 -> mean of (1 - V)^2 and V^2
+    rewards = t([[1.0, 0.0]])
+    ac = SimpleNamespace(apo_value_beta=0.5, apo_beta=1.0)
+    V = 0.5 * LN((math.exp(2.0) + 3) / 4)
+    offline = Outcomes(rewards, rewards, torch.tensor([0, 1]), values=reference_values(stored, [7], 0.5))
+    assert float(SEQUENCE_LOSSES["apo"](t([0.0, 0.0]), offline, ac)) == pytest.approx(((1 - V) ** 2 + V**2) / 2)
+    # the default: V* from the group [1, 0] itself, 0.5 log((e^2 + 1) / 2) ~ 0.71689
+    Vg = 0.5 * LN((math.exp(2.0) + 1) / 2)
+    group = Outcomes(rewards, rewards, torch.tensor([0, 1]))
+    assert float(SEQUENCE_LOSSES["apo"](t([0.0, 0.0]), group, ac)) == pytest.approx(((1 - Vg) ** 2 + Vg**2) / 2)
+    assert group.to("cpu").values is None and torch.equal(offline.to("cpu").values, offline.values)
+    with pytest.raises(ValueError, match="one value per group"):
+        SEQUENCE_LOSSES["apo"](t([0.0, 0.0]), Outcomes(rewards, rewards, torch.tensor([0, 1]), values=t([0.1, 0.2])), ac)
+
+
 def test_sequence_helpers_by_hand():
     values = t([[1.0, 2.0, 9.0], [3.0, 4.0, 5.0], [0.5, 0.5, 0.5]])
     mask = t([[1, 1, 0], [0, 1, 1], [1, 0, 0]])
@@ -520,13 +551,14 @@ SWITCHES = {
 @pytest.mark.parametrize("switch", list(SWITCHES))
 def test_every_switch_trains_two_steps_with_finite_metrics(tmp_path, monkeypatch, switch, task):
     import recursa.recipes.grpo as grpo
+    import recursa.recipes.loop as loop
     from recursa.envs import base
 
     monkeypatch.setattr(base.ENVS, "_registered", dict(base.ENVS._registered))  # the registrations below end with the test
     base.register_env("toy-anydigit", AnyDigitEnv, "test")
     base.register_env("toy-digit-game", DigitGameEnv, "test")
     seen_hints = []
-    make = grpo.make_rollouts
+    make = loop.make_rollouts  # the shared step loop (recipes/loop.py) opens the rollout backend
 
     def recording(*a, **k):  # record the hints each rollout of the step is given
         backend = make(*a, **k)
@@ -535,7 +567,7 @@ def test_every_switch_trains_two_steps_with_finite_metrics(tmp_path, monkeypatch
         backend.episodes = lambda *x, hints=None, **y: (seen_hints.append(hints), episodes(*x, hints=hints, **y))[1]
         return backend
 
-    monkeypatch.setattr(grpo, "make_rollouts", recording)
+    monkeypatch.setattr(loop, "make_rollouts", recording)
     sets = ["model.name=tiny-random", "run.threads=1", "train.steps=2", "train.prompts_per_step=2", "train.group_size=4", "train.epochs=2",
             "train.micro_batch_size=4", "train.lr=1e-2", "eval.n=2", *(SINGLE if task == "single-turn" else GAME), *SWITCHES[switch]]
     cfg = load_config(None, sets)

@@ -44,7 +44,7 @@ weights before every optimizer step.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
@@ -58,6 +58,7 @@ __all__ = [
     "ratio_stats",
     "rebel_loss",
     "apo_values",
+    "reference_values",
     "apo_loss",
     "sequence_sums",
     "sequence_weights",
@@ -298,6 +299,21 @@ def apo_values(rewards: torch.Tensor, beta: float) -> torch.Tensor:
     return beta * (torch.logsumexp(r / beta, dim=1) - torch.log(g))
 
 
+def reference_values(samples: Mapping[int, Sequence[float]], seeds: Sequence[int], beta: float) -> torch.Tensor:
+    """A*-PO's stage 1 read back: V*(x) of each task from a stored sample of the reference policy,
+    ``apo_values`` over the rewards of pi_ref's samples of that task (each task may have its own
+    number of samples).  ``samples``: task seed -> rewards; ``seeds  # (B,)`` -> (B,) float64."""
+    out = []
+    for seed in seeds:
+        rewards = samples.get(seed)
+        if rewards is None:
+            raise ValueError(f"task {seed} has no stored sample of the reference policy: sample it in stage 1, or use V* from the group")
+        if len(rewards) == 0:
+            raise ValueError(f"task {seed}'s stored sample of the reference policy is empty")
+        out.append(apo_values(torch.tensor([list(rewards)], dtype=torch.float64), beta)[0])
+    return torch.stack(out) if out else torch.zeros(0, dtype=torch.float64)
+
+
 def apo_loss(seq_logratio: torch.Tensor, targets: torch.Tensor, beta: float) -> torch.Tensor:
     """A*-PO's regression: the mean over sequences of (beta S - target)^2, with S = log pi(y|x) -
     log pi_ref(y|x) and target = r - V*(x) (``apo_values``).  (E,), (E,) -> ()"""
@@ -357,9 +373,11 @@ class Outcomes:
     rewards: torch.Tensor  # (B, G) the training reward of each sequence (the env's, or the [[reward]] sum)
     success: torch.Tensor  # (B, G) 1.0 where it succeeded (answer correct, game won), else 0.0
     row_seq: torch.Tensor  # (N,) long: the sequence b * G + g each row of the batch belongs to
+    values: torch.Tensor | None = None  # (B,) A*-PO's V*(x) from a stored sample of pi_ref (``reference_values``); None: from the group's rewards
 
     def to(self, device: torch.device | str) -> "Outcomes":
-        return Outcomes(self.rewards.to(device), self.success.to(device), self.row_seq.to(device))
+        values = None if self.values is None else self.values.to(device)
+        return Outcomes(self.rewards.to(device), self.success.to(device), self.row_seq.to(device), values)
 
     def per_row(self, values: torch.Tensor) -> torch.Tensor:
         """(B, G) per-sequence values -> (N,) per row."""
@@ -425,8 +443,12 @@ def _rebel(seq_logratio: torch.Tensor, outcomes: Outcomes, ac) -> torch.Tensor:
 
 
 def _apo(seq_logratio: torch.Tensor, outcomes: Outcomes, ac) -> torch.Tensor:
-    # V*(x) from the group's own rewards: the stand-in for A*-PO's offline samples of pi_ref (docs/objectives.md)
-    targets = outcomes.rewards - apo_values(outcomes.rewards, ac.apo_value_beta).unsqueeze(1)  # (B, G): r - V*(x)
+    # V*(x) from a stored sample of pi_ref when the caller read one (A*-PO's stage 1), else from the
+    # group's own rewards, the stand-in for it (docs/objectives.md)
+    values = apo_values(outcomes.rewards, ac.apo_value_beta) if outcomes.values is None else outcomes.values
+    if values.shape != outcomes.rewards.shape[:1]:
+        raise ValueError(f"V* must have one value per group, shape ({outcomes.rewards.shape[0]},), got {tuple(values.shape)}")
+    targets = outcomes.rewards - values.to(outcomes.rewards.dtype).unsqueeze(1)  # (B, G): r - V*(x)
     return apo_loss(seq_logratio, targets.reshape(-1), ac.apo_beta)
 
 
