@@ -15,6 +15,7 @@ import torch
 from recursa.config import dump_config, step_episodes
 from recursa.distributed import ddp
 from recursa.distributed.ddp import SINGLE, DataParallel, SingleProcess
+from recursa.distributed.precision import learner_forward  # issue 47: train.precision / activation_checkpointing
 from recursa.envs import EnvPool
 from recursa.envs.dataset import task_factory
 from recursa.envs.base import split_seeds
@@ -378,7 +379,7 @@ def supervised_step(policy: Policy, optimizer: torch.optim.Optimizer, batch: Tra
     loss_sum, ent_sum = 0.0, 0.0
     for lo in range(0, len(order), tc.micro_batch_size):
         mb = batch.select(order[lo : lo + tc.micro_batch_size])
-        logp, ent = sequence_logprobs(model, mb.input_ids, mb.attention_mask, mb.action_mask, 1.0, tc.logit_chunk, with_entropy=True)  # (n, L)
+        logp, ent = learner_forward(sequence_logprobs, tc)(model, mb.input_ids, mb.attention_mask, mb.action_mask, 1.0, tc.logit_chunk, with_entropy=True)  # (n, L)
         nll = -(logp * mb.action_mask).sum()
         (nll / num_tokens).backward()
         loss_sum += float(nll.item())

@@ -55,6 +55,7 @@ from recursa.anchor import Anchor
 from recursa.branching import branch_metrics, branched_advantages, sample_branches
 from recursa.config import OUTCOME_OBJECTIVES, GRPOConfig
 from recursa.distributed.ddp import SINGLE, DataParallel, SingleProcess
+from recursa.distributed.precision import learner_forward  # issue 47
 from recursa.distributed.rollouts import make_rollouts
 from recursa.engines import make_engine
 from recursa.envs import split_seed
@@ -168,7 +169,7 @@ def update(
     temperature = cfg.sampling.temperature
     n = len(batch)
     single_update = tc.epochs == 1 and tc.mini_batches == 1
-    logprobs = shared_prefix_logprobs if tc.shared_prefix else sequence_logprobs
+    logprobs = learner_forward(shared_prefix_logprobs if tc.shared_prefix else sequence_logprobs, tc)  # issue 47: train.precision / activation_checkpointing
     if tc.old_logprobs == "sampling":
         logp_old_all = batch.sample_logprobs
     elif single_update and not sequence_objective:
@@ -344,7 +345,7 @@ def _sequence_weights(policy: Policy, batch: TrainBatch, cfg: GRPOConfig, outcom
     if opt_steps == 0 and tc.old_logprobs == "recompute":
         current = logp_old_all
     else:
-        logprobs = shared_prefix_logprobs if tc.shared_prefix else sequence_logprobs
+        logprobs = learner_forward(shared_prefix_logprobs if tc.shared_prefix else sequence_logprobs, tc)  # issue 47: train.precision / activation_checkpointing
         current = _score(logprobs, model, batch, cfg.sampling.temperature, tc.micro_batch_size, tc.logit_chunk, learner)
         model.train()
     base = logp_ref_all if ac.objective == "apo" else logp_old_all
