@@ -14,6 +14,7 @@ from pathlib import Path
 
 from recursa.errors import UserError
 from recursa.runio import RunLock, is_run_dir, remove_run_files, user_error_of
+from recursa.trust import PARTS, TRUST_FLAG
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -58,6 +59,20 @@ def _recipe_train(name: str):
     return importlib.import_module(f"recursa.recipes.{name}").train
 
 
+def _run_config(run_dir: Path, args, parts, extra=()):
+    """The stored config of a run directory the user names (with their --set overrides),
+    after the trust boundary (recursa/trust.py): the code it names by import path is refused
+    unless --trust-run-code or the same spec is typed again; then checked as a user's config is."""
+    from recursa.config import check_plugins, load_config
+    from recursa.trust import command_line_strings, refuse_run_code
+
+    cfg = load_config(run_dir / "config.toml", args.set, check=False)
+    refuse_run_code(cfg, str(run_dir), args.trust_run_code, command_line_strings(args.set, extra), parts)
+    if set(parts) == set(PARTS):
+        check_plugins(cfg)
+    return cfg
+
+
 def cmd_train(args) -> int:
     from recursa.config import RECIPES, describe, load_config
     from recursa.distributed import ddp
@@ -70,7 +85,10 @@ def cmd_train(args) -> int:
         run_dir = Path(args.resume)
         if not (run_dir / "config.toml").exists():
             raise UserError(f"--resume {run_dir}: no config.toml there; pass the directory of an earlier `recursa train` run")
-        cfg = load_config(args.config or run_dir / "config.toml", args.set)
+        if args.config:  # a config the user passes may name code
+            cfg = load_config(args.config, args.set)
+        else:  # the run's stored config is data: the code it names needs --trust-run-code
+            cfg = _run_config(run_dir, args, PARTS)
         out = run_dir
     else:
         if not args.config:
@@ -136,7 +154,8 @@ def _eval_source(args):
         run_dir = Path(args.run)
         if not (run_dir / "config.toml").exists():
             raise UserError(f"--run {run_dir}: no config.toml there; pass a run directory written by `recursa train`")
-        cfg = load_config(run_dir / "config.toml", args.set)
+        # the run's task is built here unless --env replaces it: its code needs --trust-run-code
+        cfg = _run_config(run_dir, args, () if args.env else ("env", "scorer"), [args.env])
         if args.checkpoint == "last" and not finished_checkpoints(run_dir):
             raise UserError(f"{run_dir} has no checkpoint yet; evaluate the base model with --config instead")
         weights = run_checkpoint(run_dir, args.checkpoint)
@@ -212,7 +231,7 @@ def _eval_hints(args, cfg, weights, env_name: str, pool, n: int):
         source = Path(args.skills)
         if not (source / "config.toml").exists():
             raise UserError(f"--skills {source}: no run there (no config.toml); pass on, off or the directory of an rsipo run")
-        run_cfg = load_config(source / "config.toml")
+        run_cfg = load_config(source / "config.toml", check=False)  # only its [skills] settings are read: nothing it names is imported
         ckpts = finished_checkpoints(source)
         if not ckpts:
             raise UserError(f"--skills {source}: the run has no finished checkpoint, so no stored library yet")
@@ -423,6 +442,10 @@ def cmd_examples(args) -> int:
     return 0
 
 
+TRUST_HELP = ("import the code (an env factory, reward function or data scorer named 'pkg.module:attr') that the run directory's stored "
+              "config.toml names; without it such a run is refused, since a run directory someone else wrote is data, not code")
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with a one-line error (the usage is one --help away)."""
 
@@ -442,6 +465,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--out", help="run directory (default: run.out from the config, else runs/<recipe>)")
     t.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
     t.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
+    t.add_argument(TRUST_FLAG, action="store_true", help="with --resume: " + TRUST_HELP)
     t.add_argument("--help-config", action="store_true", help="list every config key of --recipe with its default and meaning")
     t.add_argument("--recipe", default="grpo", choices=["grpo", "rsipo", "sft", "rft"], help="the recipe --help-config describes (a config file names its own)")
     t.set_defaults(func=cmd_train)
@@ -461,6 +485,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     e.add_argument("--interpolate", type=float, metavar="ALPHA", help="evaluate theta_0 + ALPHA (theta - theta_0): the --run's checkpoint moved toward "
                    "the weights it started from (init.from_run, else the base model); 1 = the checkpoint, 0 = the warm start (WiSE-FT)")
+    e.add_argument(TRUST_FLAG, action="store_true", help="with --run: " + TRUST_HELP)
     e.add_argument("--label", help="label stored in the JSON")
     e.add_argument("--json", help="write the evaluation as JSON to this file")
     e.add_argument("--compare", metavar="EVAL_JSON", help="paired exact McNemar test against an earlier evaluation on the same items")

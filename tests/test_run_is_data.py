@@ -136,3 +136,83 @@ def test_dataset_run_resumes_after_a_kill_at_every_write_point(killed_data_runs,
         assert a["items"] == b["items"], label
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
     assert main(["eval", "--run", str(run), "--n", "2"]) == 0  # and the finished run evaluates from its stored config
+
+
+# ----------------------------------------------------------------------------- the trust boundary
+
+
+def _hostile_run(tmp_path: Path, sets: list[str], name: str = "hostile") -> tuple[Path, Path]:
+    """A run directory whose stored config names code (os.system, which would create `marker`)."""
+    run = tmp_path / name
+    run.mkdir()
+    marker = tmp_path / f"{name}.ran"
+    cfg = load_config(None, [s.replace("MARKER", str(marker)) for s in sets], check=False)
+    (run / "config.toml").write_text(dump_config(cfg))
+    return run, marker
+
+
+HOSTILE_ENV = ["env.name='os:system'", "env.kwargs={command='touch MARKER'}"]
+
+
+def _refused(capsys, argv: list[str], spec: str) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert spec in err and "--trust-run-code" in err and "refusing to import" in err, err
+    return err
+
+
+@pytest.mark.parametrize("argv", [["eval", "--run", "RUN"], ["eval", "--run", "RUN", "--interpolate", "0.5"], ["eval", "--run", "RUN", "--policy", "random"],
+                                  ["train", "--resume", "RUN"]])
+def test_a_run_naming_an_env_factory_is_refused(tmp_path, capsys, argv):
+    run, marker = _hostile_run(tmp_path, HOSTILE_ENV)
+    _refused(capsys, [a.replace("RUN", str(run)) for a in argv], "env.name = 'os:system'")
+    assert not marker.exists()
+
+
+def test_a_run_naming_a_reward_function_is_refused(tmp_path, capsys):
+    run, marker = _hostile_run(tmp_path, ["reward=[{func='os:system'}]"])
+    _refused(capsys, ["train", "--resume", str(run)], "reward.func = 'os:system'")
+
+
+def test_a_run_naming_a_data_scorer_is_refused(tmp_path, capsys):
+    rows = _rows_file(tmp_path)
+    run, _ = _hostile_run(tmp_path, ["data.source='jsonl'", f"data.path='{rows}'", "data.prompt_key='prompt'", "data.scorer='os:system'"])
+    _refused(capsys, ["eval", "--run", str(run)], "data.scorer = 'os:system'")
+    _refused(capsys, ["train", "--resume", str(run)], "data.scorer = 'os:system'")
+
+
+def test_trust_run_code_imports_it(tmp_path, capsys):
+    """The flag lets the stored config's code run (here: os.system creates the marker, then
+    the env check fails, since os.system builds no env)."""
+    run, marker = _hostile_run(tmp_path, HOSTILE_ENV)
+    assert main(["train", "--resume", str(run), "--trust-run-code"]) == 2
+    assert marker.exists()
+
+
+def test_the_same_spec_given_again_on_the_command_line_is_the_users(tmp_path, capsys):
+    run, marker = _hostile_run(tmp_path, HOSTILE_ENV)
+    assert main(["train", "--resume", str(run), "--set", "env.name='os:system'"]) == 2
+    assert marker.exists()
+
+
+def test_a_config_the_user_passes_may_name_code(tmp_path, capsys):
+    run, marker = _hostile_run(tmp_path, HOSTILE_ENV)
+    assert main(["train", "--resume", str(run), str(run / "config.toml")]) == 2  # the user's own config file: imported as always
+    assert marker.exists()
+
+
+def test_built_in_names_and_a_replaced_task_are_not_refused(tmp_path, capsys):
+    run, _ = _hostile_run(tmp_path, ["env.name='arithmetic'"], "builtin")
+    assert main(["eval", "--run", str(run)]) == 2
+    assert "no checkpoint yet" in capsys.readouterr().err  # past the trust boundary
+    run, marker = _hostile_run(tmp_path, HOSTILE_ENV)
+    assert main(["eval", "--run", str(run), "--env", "arithmetic"]) == 2  # --env replaces the run's task: nothing of it is built
+    assert "no checkpoint yet" in capsys.readouterr().err and not marker.exists()
+
+
+@pytest.mark.parametrize("argv", [["eval", "--config", SMOKE, "--skills", "RUN"], ["export", "RUN", "--out", "OUT"], ["report", "RUN"], ["lineage", "RUN"]])
+def test_commands_that_read_a_run_import_nothing_it_names(tmp_path, capsys, argv):
+    run, marker = _hostile_run(tmp_path, HOSTILE_ENV)
+    main([a.replace("RUN", str(run)).replace("OUT", str(tmp_path / "out")) for a in argv])
+    assert not marker.exists()
