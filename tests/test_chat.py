@@ -339,3 +339,53 @@ def test_chat_episodes_under_continuous_batching(tiny_policy):
         assert len(e.turns) == 3
         for prev, t in zip(e.turns, e.turns[1:]):
             assert t.prompt_ids[: len(prev.prompt_ids) + len(prev.action_ids)] == prev.prompt_ids + prev.action_ids
+
+
+def test_a_tool_using_chat_episode_trains_on_the_tiny_model(fresh_tiny_policy):
+    """Two chat episodes of one question, each a tool call, its tool message and an answer,
+    sampled token by token under the tiny model's own log-probs (teacher-forced replies): the
+    rows are exactly those tokens, and one GRPO update raises the log-prob of the winning
+    answer and lowers the losing one's."""
+    from recursa.config import load_config
+    from recursa.generation import sequence_logprobs
+    from recursa.recipes.grpo import episode_rows, update
+    from recursa.rollout import rollout_episodes
+    from recursa.algorithms.advantages import compute_advantages
+    from recursa.trajectory import collate
+
+    policy = fresh_tiny_policy
+    tok = policy.tokenizer
+    call = '<tool_call>{{"name": "open_box", "arguments": {{"box": {}}}}}</tool_call>'
+    script = [[call.format(3), call.format(1)], ["103", "101"]]  # round r, episode k
+
+    def logps(prompt, ids):
+        x = torch.tensor([prompt + ids])
+        mask = torch.tensor([[0] * len(prompt) + [1] * len(ids)], dtype=torch.float32)
+        with torch.no_grad():
+            lp = sequence_logprobs(policy.causal_lm, x, torch.ones_like(x), mask)[0][0]
+        return lp[len(prompt):].tolist()
+
+    class Forced:
+        continuous, rounds = False, 0
+
+        def generate(self, prompts, sampling, n=1, generator=None, stats=None):
+            out = []
+            for k, p in enumerate(prompts):
+                ids = tok.encode(script[self.rounds][k], add_special_tokens=False) + [tok.eos_token_id]
+                out.append(Sample(k, ids, logps(list(p), ids), "eos"))
+            self.rounds += 1
+            return out
+
+    cfg = load_config(None, ["model.name=tiny-random", "agent.episode=chat", "train.group_size=2", "train.lr=1e-3", "sampling.temperature=1.0"])
+    ro = rollout_episodes(policy, BoxesEnv, [3], 2, SamplingParams(max_new_tokens=64), None, None, cfg.agent, engine=Forced())
+    won, lost = ro.episodes
+    assert won.won and not lost.won and "box 3 holds code 103" in won.turns[1].observation
+    rewards = torch.tensor([[won.total_reward, lost.total_reward]])
+    rows, row_adv, _ = episode_rows(ro.episodes, compute_advantages("grpo", rewards), cfg)
+    assert [r.token_ids for r in rows] == [t.prompt_ids + t.action_ids for e in ro.episodes for t in e.turns]
+    before = [sum(logps(t.prompt_ids, t.action_ids)) for t in (won.turns[1], lost.turns[1])]
+    batch = collate(rows, row_adv, tok.pad_token_id)
+    optimizer = torch.optim.AdamW(policy.causal_lm.parameters(), lr=1e-3)
+    update(policy, optimizer, batch, cfg, torch.Generator().manual_seed(0), 0)
+    after = [sum(logps(t.prompt_ids, t.action_ids)) for t in (won.turns[1], lost.turns[1])]
+    assert after[0] > before[0] and after[1] < before[1]
