@@ -49,6 +49,11 @@ METHODS = Registry("training method", "methods", "recursa.methods", {
     "igrpo": ("recursa.methods.igrpo:IGRPODrafts", "algo.igrpo: drafts per task, the best shown in the prompt of the rollout the update trains on"),
     "anchor": ("recursa.methods.anchor:AnchorMethod", "[anchor]: the warm start's SFT loss on demonstrations (or the run's own wins) at every optimizer step"),
     "gate": ("recursa.methods.gate:GateMethod", "[gate]: prompt rounds and the weights gate on held-out gate items, with rollback"),
+    "replay": ("recursa.methods.attempts:ReplayMethod", "RSIPO: the replay buffer of earlier attempts (replay.jsonl) the skills, hatch, wins and teacher read"),
+    "skills": ("recursa.methods.skills:SkillsMethod", "RSIPO [skills]: the skill library, in-context skills, skill writing rows rewarded by replay, the skills gate"),
+    "hatch": ("recursa.methods.hatch:HatchMethod", "RSIPO [hatch]: hinted re-rolls of all-fail groups, trained under the un-hinted prompt"),
+    "wins": ("recursa.methods.wins:WinsMethod", "RSIPO route.mode = 'pass_rate': stored wins as a supervised term for all-win groups"),
+    "teacher": ("recursa.methods.teacher:TeacherMethod", "RSIPO [teacher] and [trust]: Delta, trust and the token advantages of the batch, imitation and distillation terms"),
 })
 
 # built-in envs by name; families (rg:, twx:, textworld:) are resolved by prefix in recursa/envs/base.py

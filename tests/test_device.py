@@ -31,6 +31,7 @@ from torch.overrides import TorchFunctionMode
 
 import recursa
 import recursa.recipes.grpo as grpo
+import recursa.recipes.loop as loop
 import recursa.recipes.rft as rft
 import recursa.recipes.rsipo as rsipo
 import recursa.recipes.sft as sft
@@ -195,7 +196,7 @@ def test_the_guard_fails_on_one_device_less_tensor(tmp_path, monkeypatch):
     assert good in source
     namespace = dict(vars(trajectory))
     exec(compile(source.replace(good, good.replace(", device=host", "")), trajectory.__file__, "exec"), namespace)
-    monkeypatch.setattr(grpo, "collate", namespace["collate"])
+    monkeypatch.setattr(loop, "collate", namespace["collate"])  # the shared step loop (recipes/loop.py) collates
     with pytest.raises(AssertionError, match=r"recursa/trajectory\.py:\d+ in collate: torch\.tensor\(\.\.\.\) without device="):
         with device_guard():
             grpo.train(_config("grpo", "cpu", "train.steps=1", "gate.mode=off", "gate.prompt_every=0"), tmp_path / "run", log=lambda *_: None)

@@ -551,13 +551,14 @@ SWITCHES = {
 @pytest.mark.parametrize("switch", list(SWITCHES))
 def test_every_switch_trains_two_steps_with_finite_metrics(tmp_path, monkeypatch, switch, task):
     import recursa.recipes.grpo as grpo
+    import recursa.recipes.loop as loop
     from recursa.envs import base
 
     monkeypatch.setattr(base.ENVS, "_registered", dict(base.ENVS._registered))  # the registrations below end with the test
     base.register_env("toy-anydigit", AnyDigitEnv, "test")
     base.register_env("toy-digit-game", DigitGameEnv, "test")
     seen_hints = []
-    make = grpo.make_rollouts
+    make = loop.make_rollouts  # the shared step loop (recipes/loop.py) opens the rollout backend
 
     def recording(*a, **k):  # record the hints each rollout of the step is given
         backend = make(*a, **k)
@@ -566,7 +567,7 @@ def test_every_switch_trains_two_steps_with_finite_metrics(tmp_path, monkeypatch
         backend.episodes = lambda *x, hints=None, **y: (seen_hints.append(hints), episodes(*x, hints=hints, **y))[1]
         return backend
 
-    monkeypatch.setattr(grpo, "make_rollouts", recording)
+    monkeypatch.setattr(loop, "make_rollouts", recording)
     sets = ["model.name=tiny-random", "run.threads=1", "train.steps=2", "train.prompts_per_step=2", "train.group_size=4", "train.epochs=2",
             "train.micro_batch_size=4", "train.lr=1e-2", "eval.n=2", *(SINGLE if task == "single-turn" else GAME), *SWITCHES[switch]]
     cfg = load_config(None, sets)

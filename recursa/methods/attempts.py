@@ -2,17 +2,19 @@
 context, the action taken and its reward, as the skill writer, the replay rewards, the teacher
 and the hinted re-rolls read it.
 
-A phase of the RSIPO recipe (recursa/recipes/rsipo.py), not yet a plug-in on the
-`recursa.methods.Method` protocol."""
+`play` samples and scores an RSIPO step (the recipe's sampler); `ReplayMethod` ("replay") keeps
+the replay buffer the other RSIPO methods read (replay.jsonl, restored on resume)."""
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import asdict, dataclass, field
 
 import torch
 
 from recursa.agent import AgentConfig, render_turn
 from recursa.algorithms.advantages import compute_advantages
+from recursa.algorithms.routing import group_routes
 from recursa.config import RSIPOConfig
 from recursa.envs import EnvPool
 from recursa.generation import GenerationStats, SamplingParams, sequence_logprobs, shared_prefix_logprobs
@@ -21,6 +23,7 @@ from recursa.distributed.rollouts import LocalRollouts, RolloutBackend
 from recursa.recipes.common import check_finite
 from recursa.rewards import RewardSet, score_episodes, score_trajectories
 from recursa.recipes.grpo import episode_rows
+from recursa.methods.base import Method
 from recursa.rollout import with_hint
 from recursa.trajectory import Trajectory
 
@@ -174,6 +177,35 @@ class Played:
     row_context: list[Context]  # (rows,) what each row's user message was rendered from
     metrics: dict  # episode/* metrics (games)
     gen_stats: GenerationStats
+    parts: dict = field(default_factory=dict)  # what each method made of the step for the later ones: "buffer", "skills", "hatch", "wins"
+
+    # ---- what the shared step loop (recipes/loop.py) and GRPO's methods read of a step
+    @property
+    def trajs(self) -> list[Trajectory]:
+        return self.rows
+
+    @property
+    def row_advantages(self) -> torch.Tensor:
+        return self.row_adv
+
+    @property
+    def episodes(self) -> int:
+        return len(self.attempts)
+
+    @property
+    def wins(self) -> list[list[bool]]:
+        """(B, G): each group's verdicts, for the curriculum."""
+        return self.success.tolist()
+
+    @property
+    def failures(self) -> list[tuple[str, str]]:
+        """The failed attempts as the prompt gate's proposals read them."""
+        return [failure_of(a) for a in self.attempts if not a.success]
+
+    @property
+    def routes(self) -> torch.Tensor:
+        """(B,) each group's route: all_fail, mixed or all_win."""
+        return group_routes(self.success)
 
 
 def play(policy: Policy, pool: EnvPool, seeds: list[int], shown: list[str | None] | None, sampling: SamplingParams, gen: torch.Generator,
@@ -217,3 +249,35 @@ def play(policy: Policy, pool: EnvPool, seeds: list[int], shown: list[str | None
 
 
 # ----------------------------------------------------------------------------- hinted re-rolls (hatch)
+
+
+class ReplayMethod(Method):
+    """RSIPO's replay buffer: every step's attempts join it (and replay.jsonl, so a resumed run
+    rebuilds it); the skills' replay rewards, the hinted re-rolls, the stored wins and the
+    teacher read it as `played.parts["buffer"]`."""
+
+    name = "replay"
+
+    @classmethod
+    def enabled(cls, cfg) -> bool:
+        return hasattr(cfg, "skills")  # an RSIPO config
+
+    def open(self) -> None:
+        ctx = self.ctx
+        self.buffer: deque[Attempt] = deque(maxlen=ctx.cfg.skills.buffer_size)
+        self.before: list[Attempt] = []  # every attempt of the steps before a resume
+        if ctx.run.state:
+            self.before = [Attempt.from_json(r) for r in ctx.store.read_jsonl("replay")]
+            self.buffer.extend(self.before)
+            ctx.log(f"restored {len(self.buffer)} replayable attempts (step {ctx.start_step}/{ctx.cfg.train.steps})")
+
+    def failures_before(self) -> list[tuple[str, str]]:
+        """The failed attempts of the steps before a resume (what a resumed prompt gate reads first)."""
+        return [failure_of(a) for a in self.before if not a.success]
+
+    def after_sample(self, step: int, played) -> dict:
+        self.buffer.extend(played.attempts)
+        self.ctx.store.append_jsonl("replay", step + 1, [a.to_json() for a in played.attempts])
+        played.parts["buffer"] = list(self.buffer)
+        return {}
+

@@ -14,13 +14,30 @@ The hooks, in the order a step calls them (each default does nothing):
     begin_step(step)               before sampling
     hints(step, seeds, hints, ...) replace the prompts' hints before sampling; -> (hints, metrics)
     after_sample(step, played)     the step's rollouts, scored; -> metrics
+    rows(s, played, room)          extra training rows after the policy's own (skill writing,
+                                   hinted re-rolls, stored wins): an `Extra` (rows, the episodes
+                                   sampled for them, metrics), or None; `s` is the step's
+                                   `StepInputs`, `room` the episodes train.max_episodes leaves
+    shape(s, batch, played)        the collated batch (the policy's rows, then every method's
+                                   extra rows in order): set `batch.advantages` per token and
+                                   return a `Shaping` (imitation / distillation terms, metrics),
+                                   or None; one method at most shapes a batch (RSIPO's teacher)
     update_term()                  an extra loss term the update adds at every optimizer step
     after_update(step, played, s)  after the update and before publishing; -> metrics
     end_step(end)                  after the step's metrics are logged: gates, phase ends; a
                                    method that changes the weights publishes them to the
                                    engine and advances end.opt_step; -> metrics logged at the step
     state_dict()                   what goes into the checkpoint's state (a dict, or None)
-    close()                        at the end of the run
+    close()                        at the end of the run, after the final evaluation (a method
+                                   may evaluate the final weights its own way here)
+
+`eval_hints()`, asked once before any method opens, gives the hints every evaluation shows
+its items (RSIPO's skills.in_context: the library's skill for each task), or None; the loop
+passes them to every evaluation and each method finds them as `ctx.eval_hints`. A method that
+needs a sibling's state (the skills gate needs the library, hinted re-rolls the replay
+buffer) finds the sibling by name with `ctx.find(name)`, which sees the methods opened
+before it; what a method makes of one step for the methods after it (a `SkillStep`, a
+`HintedStep`) it leaves in `played.parts[name]`.
 
 `extra_episodes(cfg)` counts the episodes a method samples beyond B x G per step (iGRPO's
 drafts), for `budget/episodes`. `watches_evals` marks the method whose `look` records each
@@ -35,6 +52,7 @@ options (docs/extending.md).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -52,6 +70,12 @@ class RunContext:
     log: Callable[[str], None]
     progress: Any = None
     options: dict = field(default_factory=dict)  # a user method's [methods.<name>] table
+    eval_hints: Callable | None = None  # seeds -> the hint each evaluation item is shown (set before `open`), or None
+    methods: Any = None  # the run's `Methods` (set before `open`); `find` looks a sibling up in it
+
+    def find(self, name: str):
+        """The enabled method called `name`, or None (a sibling opened before the caller, or any after `open`)."""
+        return self.methods.find(name) if self.methods is not None else None
 
     @property
     def policy(self):
@@ -76,6 +100,36 @@ class RunContext:
     @property
     def start_step(self) -> int:
         return self.run.start_step
+
+
+@dataclass
+class StepInputs:
+    """What a step sampled from, as the hooks after sampling read it."""
+
+    step: int  # 0-based
+    seeds: list[int]  # (B,) the step's tasks
+    hints: list | None  # (B,) the hint shown with each task while sampling, or None
+    sampling: Any  # generation.SamplingParams
+    generator: Any  # the step's torch.Generator
+    system: str | None  # the system prompt the step sampled with
+
+
+@dataclass
+class Extra:
+    """A method's extra training rows for the step (`rows`)."""
+
+    rows: list = field(default_factory=list)  # Trajectory rows, appended after the policy's own and the earlier methods'
+    episodes: int = 0  # episodes sampled for them (counted in episodes/sampled and budget/episodes)
+    metrics: dict = field(default_factory=dict)
+
+
+@dataclass
+class Shaping:
+    """A method's shaping of the collated batch (`shape`): the update's extra loss terms."""
+
+    imitation: Any = None  # recipes.grpo.Imitation, or None
+    distillation: Any = None  # recipes.grpo.Distillation, or None
+    metrics: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -123,6 +177,15 @@ class Method:
     def after_sample(self, step: int, played) -> dict:
         return {}
 
+    def eval_hints(self):
+        return None
+
+    def rows(self, s: StepInputs, played, room: int | None) -> Extra | None:
+        return None
+
+    def shape(self, s: StepInputs, batch, played) -> Shaping | None:
+        return None
+
     def update_term(self):
         return None
 
@@ -144,11 +207,19 @@ class Methods:
 
     def __init__(self, methods: list[Method]):
         self.methods = methods
+        self.eval_hints = None
 
     def __iter__(self):
         return iter(self.methods)
 
+    def find(self, name: str):
+        return next((m for m in self.methods if m.name == name), None)
+
     def open(self) -> None:
+        """Tell every method the evaluation hints and its siblings, then open them in order."""
+        self.eval_hints = next((h for m in self.methods if (h := m.eval_hints()) is not None), None)
+        for m in self.methods:
+            m.ctx.eval_hints, m.ctx.methods = self.eval_hints, self
         for m in self.methods:
             m.open()
 
@@ -172,6 +243,27 @@ class Methods:
 
     def after_sample(self, step: int, played) -> dict:
         return _merged(m.after_sample(step, played) for m in self.methods)
+
+    def rows(self, s: StepInputs, played, room: int | None, times: dict | None = None) -> list[tuple[str, Extra]]:
+        """Each method's extra rows, in order, as (name, Extra); `room` shrinks by the episodes
+        each sampled. `times` (name -> seconds) receives how long each method took."""
+        out = []
+        for m in self.methods:
+            t0 = time.perf_counter()
+            extra = m.rows(s, played, room)
+            if times is not None:
+                times[m.name] = time.perf_counter() - t0
+            if extra is not None:
+                out.append((m.name, extra))
+                if room is not None:
+                    room -= extra.episodes
+        return out
+
+    def shape(self, s: StepInputs, batch, played) -> Shaping:
+        shaped = [x for m in self.methods if (x := m.shape(s, batch, played)) is not None]
+        if len(shaped) > 1:
+            raise ValueError(f"{len(shaped)} methods shape the batch's advantages; a batch takes one")
+        return shaped[0] if shaped else Shaping()
 
     def update_term(self):
         terms = [t for m in self.methods if (t := m.update_term()) is not None]

@@ -23,10 +23,15 @@ class GateMethod(Method):
     def open(self) -> None:
         ctx = self.ctx
         cfg = ctx.cfg
-        self.weights = WeightsGate(cfg, ctx.store, ctx.pool, ctx.start_step, ctx.log, engine=ctx.engine)
+        # ctx.eval_hints: RSIPO's skills.in_context, every gate item scored with the hint the policy is shown for it
+        self.weights = WeightsGate(cfg, ctx.store, ctx.pool, ctx.start_step, ctx.log, hints=ctx.eval_hints, engine=ctx.engine)
         self.weights.start(ctx.policy, ctx.optimizer, f"{cfg.model.name}{ctx.run.origin}")
-        self.prompts = PromptGate(cfg, ctx.store, ctx.pool, self.weights.lineage, ctx.multi_turn, ctx.log, engine=ctx.engine) if cfg.gate.prompt_every else None
+        self.prompts = (PromptGate(cfg, ctx.store, ctx.pool, self.weights.lineage, ctx.multi_turn, ctx.log, engine=ctx.engine, hints=ctx.eval_hints)
+                        if cfg.gate.prompt_every else None)
         self.failures: deque[tuple[str, str]] = deque(maxlen=4)  # recent failures, what prompt proposals read
+        replay = ctx.find("replay")  # RSIPO's replay buffer: a resumed run's prompt rounds read the failures before the checkpoint
+        if replay is not None:
+            self.failures.extend(replay.failures_before())
 
     def look(self, step: int, label: str, before, now) -> None:
         self.weights.look(step, label, before, now)

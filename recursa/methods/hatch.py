@@ -2,8 +2,7 @@
 skill, the walkthrough, a winning episode of the same task) is shown while sampling; the re-rolls
 are trained under the un-hinted prompt with a truncated importance weight.
 
-A phase of the RSIPO recipe (recursa/recipes/rsipo.py), not yet a plug-in on the
-`recursa.methods.Method` protocol."""
+A plug-in of RSIPO's step (recursa/recipes/rsipo.py): its extra rows follow the policy's own."""
 
 from __future__ import annotations
 
@@ -31,6 +30,7 @@ from recursa.skills.writing import MARKER
 from recursa.trajectory import Trajectory
 from recursa.methods.attempts import Attempt, Played, completion_attempts, episode_attempts, score_actions, user_message
 from recursa.methods.skills import attempt_text, skill_hint, skill_query
+from recursa.methods.base import Extra, Method
 
 # ----------------------------------------------------------------------------- attempts and contexts
 
@@ -189,3 +189,21 @@ def hinted_rerolls(policy: Policy, pool: EnvPool, played: Played, seeds: list[in
 
 
 # ----------------------------------------------------------------------------- stored successes (route: all-win groups)
+
+
+class HatchMethod(Method):
+    """[hatch] as a plug-in: the all-fail groups' hinted re-rolls, rows after the skill writing's."""
+
+    name = "hatch"
+
+    @classmethod
+    def enabled(cls, cfg) -> bool:
+        return bool(getattr(getattr(cfg, "hatch", None), "enabled", False))
+
+    def rows(self, s, played, room):
+        ctx = self.ctx
+        library = ctx.find("skills").library
+        hinted = hinted_rerolls(ctx.policy, ctx.pool, played, s.seeds, s.hints, library, s.sampling, s.generator, ctx.cfg, s.system, ctx.multi_turn,
+                                s.step, ctx.reward_set, played.parts["buffer"], room)
+        played.parts["hatch"] = hinted
+        return Extra(hinted.rows, hinted.episodes, hinted.metrics)

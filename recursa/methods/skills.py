@@ -3,8 +3,7 @@ rewarded by replay (how much it raises the log-probability of earlier successful
 lowers it in failed ones) or by its effect on related games, the best enters the library, and the
 library's skill for a task is retrieved into prompts.
 
-A phase of the RSIPO recipe (recursa/recipes/rsipo.py), not yet a plug-in on the
-`recursa.methods.Method` protocol."""
+`SkillsMethod` ("skills") is the plug-in that runs them in RSIPO's step (recursa/recipes/rsipo.py)."""
 
 from __future__ import annotations
 
@@ -39,6 +38,9 @@ from recursa.skills.curator import junk_reason, near_duplicate, retire_reason, r
 from recursa.skills.writing import MARKER, ParsedSkill
 from recursa.trajectory import Trajectory
 from recursa.methods.attempts import Attempt, score_actions, user_message
+from recursa.methods.base import Extra, Method
+from recursa.methods.gating import SkillGate
+from recursa.recipes.common import run_eval
 
 # ----------------------------------------------------------------------------- attempts and contexts
 
@@ -418,3 +420,86 @@ def library_hints(library: SkillLibrary, pool: EnvPool, seeds: list[int], cfg: R
     """Per seed, the hint its task is shown with under `skills.in_context` (`task_hints` with
     the run's retrieval settings)."""
     return task_hints(library, pool, seeds, cfg.skills.retrieve_k, cfg.skills.retrieval, cfg.env.name, multi_turn)
+
+
+class SkillsMethod(Method):
+    """RSIPO's skill library as a plug-in: it holds the library (restored from the checkpoint),
+    shows its skill for each task in the policy's prompts and evaluations (skills.in_context),
+    writes and rewards candidates after sampling (their writing rows join the update), gates the
+    library's changes (gate.skills_every, `gating.SkillGate`), and at the end evaluates the final
+    weights with the other library setting too (skills.eval_both)."""
+
+    name = "skills"
+
+    @classmethod
+    def enabled(cls, cfg) -> bool:
+        return hasattr(cfg, "skills")  # an RSIPO config (skills.enabled = false still counts episodes/rescored and keeps the library)
+
+    def library_hints(self, library: SkillLibrary, seeds: list[int]) -> list[str | None]:
+        return library_hints(library, self.ctx.pool, seeds, self.ctx.cfg, self.ctx.multi_turn)
+
+    def eval_hints(self):
+        # skills.in_context: the policy sees its library's skill for each task in rollouts and in every evaluation
+        return (lambda seeds: self.library_hints(self.library, seeds)) if self.ctx.cfg.skills.in_context else None
+
+    def open(self) -> None:
+        ctx, cfg = self.ctx, self.ctx.cfg
+        self.library = SkillLibrary(ctx.store.db)  # the `skills` table of the run's ledger.sqlite
+        self.library.restore(ctx.run.state["skills"] if ctx.run.state else [])  # as at the checkpoint; a new run starts empty
+        if ctx.run.state:
+            ctx.log(f"restored {len(self.library)} skills (step {ctx.start_step}/{cfg.train.steps})")
+        self.gate = None
+        gate = ctx.find("gate")
+        if gate is not None and cfg.gate.skills_every:  # the weights gate's lineage, truncated once by the WeightsGate
+            self.gate = SkillGate(cfg, ctx.pool, gate.weights.lineage, self.library, self.library_hints, ctx.run.state.get("skills_incumbent"),
+                                  ctx.log, engine=ctx.engine)
+        self.last = ctx.start_step
+
+    def hints(self, step, seeds, hints, sampling, generator, system_prompt):
+        # the in-context skill of each task, or none: RSIPO takes no tail hints from the curriculum (see [hatch])
+        shown = self.eval_hints()
+        return (shown(seeds), {}) if shown is not None else (None, {})
+
+    def rows(self, s, played, room):
+        ctx, cfg = self.ctx, self.ctx.cfg
+        G = cfg.train.group_size
+        games = None
+        if cfg.skills.effect_games:  # candidates are tried on the step's games; each game's group is its reward without them
+            games = EffectGames(s.seeds, [skill_query(a.task, a.contexts[0].observation) for a in played.attempts[::G]], played.rewards.mean(dim=1),
+                                lambda seeds, h: hinted_episode_rewards(ctx.policy, ctx.pool, seeds, h, s.sampling, s.generator, s.system, cfg,
+                                                                        ctx.multi_turn, ctx.reward_set))
+        buffer = played.parts["buffer"]
+        skills = learn_skills(ctx.policy, played.attempts, buffer, self.library, cfg, s.system, s.generator, s.step + 1, games) if cfg.skills.enabled else SkillStep()
+        if skills.log:
+            ctx.store.append_jsonl("skills", s.step + 1, skills.log)
+        if s.hints is not None:
+            skills.metrics["skills/in_context_frac"] = sum(h is not None for h in s.hints) / len(s.hints)
+        # gate the library's changes: the incumbent vs the candidate library in context, on gate probes
+        if self.gate is not None and ((s.step + 1) % cfg.gate.skills_every == 0 or s.step + 1 == cfg.train.steps):
+            skills.metrics.update(self.gate.check(ctx.policy, s.step + 1))
+            skills.metrics["skills/library_size"] = float(len(self.library))
+        played.parts["skills"] = skills
+        return Extra(skills.rows, skills.episodes, {**skills.metrics, "episodes/rescored": skills.rescored})
+
+    def end_step(self, end):
+        self.last = end.done
+        return {}
+
+    def state_dict(self) -> dict:
+        out = {"skills": self.library.snapshot()}
+        if self.gate is not None:
+            out["skills_incumbent"] = self.gate.incumbent  # the last accepted library, for a resumed skills gate
+        return out
+
+    def close(self) -> None:
+        """skills.eval_both: the final weights with the other library setting too, eval/after_skills.json
+        (library in the prompts) or eval/after_no_skills.json (none), as eval_skills/* at the last step."""
+        ctx, cfg = self.ctx, self.ctx.cfg
+        if not (cfg.eval.after and cfg.eval.n > 0 and cfg.skills.eval_both):
+            return
+        label = "after_no_skills" if cfg.skills.in_context else "after_skills"
+        other = None if cfg.skills.in_context else (lambda seeds: self.library_hints(self.library, seeds))
+        if not (ctx.store.path / "eval" / f"{label}.json").exists():
+            r = run_eval(ctx.policy, cfg, ctx.pool, ctx.store, self.last, label, ctx.progress, ctx.methods.gate, hints=other, prefix="eval_skills",
+                         engine=ctx.engine)
+            ctx.log(f"{label}: success {r.success_rate:.3f} [{r.ci95[0]:.3f}, {r.ci95[1]:.3f}] on {r.n} {cfg.eval.split} items")

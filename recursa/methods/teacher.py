@@ -3,8 +3,9 @@
 gain, becomes a token advantage scaled by the empirical-Bayes trust of its skill group, or an
 imitation weight, or (teacher.mode = 'distribution') a distillation term toward the hinted top-k.
 
-A phase of the RSIPO recipe (recursa/recipes/rsipo.py), not yet a plug-in on the
-`recursa.methods.Method` protocol."""
+`TeacherMethod` ("teacher") is the plug-in that shapes RSIPO's batch (recursa/recipes/rsipo.py):
+the token advantages of every part (`set_advantages`), the imitation and distillation terms,
+and the trust counts it checkpoints."""
 
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ import torch
 
 from recursa.agent import clip_hint as _clip
 from recursa.algorithms.distill import (
+    psi,
+    seed_imitation_weights,
+    token_advantages,
     correlation,
     group_offsets,
     pass_rate_weights,
@@ -25,7 +29,9 @@ from recursa.algorithms.trust import TrustEstimator, agreement_trials
 from recursa.config import RSIPOConfig
 from recursa.envs import EnvPool
 from recursa.models import Policy
-from recursa.recipes.grpo import Distillation
+from recursa.recipes.grpo import Distillation, Imitation
+from recursa.recipes.common import check_finite
+from recursa.methods.base import Method, Shaping
 from recursa.rollout import render_prompt
 from recursa.skills import (
     SkillLibrary,
@@ -34,6 +40,8 @@ from recursa.skills import (
 from recursa.trajectory import Trajectory
 from recursa.methods.attempts import Attempt, Context, Played, score_actions, user_message
 from recursa.methods.skills import SkillStep, skill_hint, skill_query
+from recursa.methods.hatch import HintedStep
+from recursa.methods.wins import WinStep
 
 # ----------------------------------------------------------------------------- attempts and contexts
 
@@ -295,3 +303,102 @@ def teacher_summary(delta, mask, has_hint, mean_delta, outcome, attempt_hint, tr
         "trust/trials": float(n_trials),
         "trust/agreement": sum(a for a, _ in trials.values()) / n_trials if n_trials else float("nan"),
     }
+
+
+def combine_imitation(terms: list[tuple[torch.Tensor, float]]) -> Imitation | None:
+    """One imitation term from several (weights, coef): coef x weights when there is one,
+    else the coefficient-weighted sum of the weights with coef 1."""
+    if not terms:
+        return None
+    if len(terms) == 1:
+        return Imitation(*terms[0])
+    return Imitation(sum(c * w for w, c in terms), 1.0)
+
+
+def set_advantages(batch, played: Played, skills: SkillStep, hinted: HintedStep, wins: WinStep, taught: TeacherStep, cfg: RSIPOConfig) -> tuple[Imitation | None, dict, dict]:
+    """Fill `batch.advantages  # (N, L)`: the policy rows' A_t = A_outcome + lam T_g psi(Delta_t),
+    the writing rows' coef x normalised replay reward, the hinted rows' coef x w_t x (R - b),
+    0 on the win rows; each part scaled to be averaged over its own tokens (`part_scales`).
+    Returns the imitation term (SEED-like teacher, wins), the advantage shares and metrics."""
+    tc, dev = cfg.teacher, batch.device
+    n = len(played.rows)
+    parts = [n, len(skills.rows), len(hinted.rows), len(wins.rows)]
+    bounds = [(sum(parts[:i]), sum(parts[: i + 1])) for i in range(len(parts))]
+    mask = batch.action_mask[:n]  # (n, L)
+    teacher_mask = mask * taught.has_hint[:, None]  # (n, L)
+    route = "failed" if tc.route == "failed" else None
+    row_success = torch.tensor([played.attempts[a].success for a in played.row_attempt], device=dev)
+    lam_adv = tc.lam if tc.mode == "advantage" else 0.0
+    psi_values = psi(taught.delta, teacher_mask, tc.clip, tc.scale, tc.negative_scale)  # (n, L)
+    token_adv, shares = token_advantages(played.row_adv.to(dev), psi_values, taught.trust_rows, lam_adv, mask, route, row_success)  # (n, L)
+    scales = part_scales(batch.action_mask, parts, cfg.algo.agg)
+    adv = torch.zeros_like(batch.action_mask)  # (N, L) policy rows, writing rows, hinted rows, win rows
+    adv[:n] = token_adv * scales[0]
+    lo, hi = bounds[1]
+    if skills.rows:
+        adv[lo:hi] = skills.advantages.to(dev)[:, None] * batch.action_mask[lo:hi] * scales[1]
+    lo, hi = bounds[2]
+    if hinted.rows:
+        block = torch.zeros_like(batch.action_mask[lo:hi])
+        block[batch.action_mask[lo:hi].bool()] = torch.cat(hinted.advantages).to(dev)
+        adv[lo:hi] = block * scales[2]
+    batch.advantages = adv
+    # imitation terms, each a token mean over its own rows
+    terms, metrics = [], {}
+    token_scales = part_scales(batch.action_mask, parts, "token-mean")
+    if tc.mode == "imitation" and tc.source != "none":
+        weights = seed_imitation_weights(taught.delta, teacher_mask, tc.imitation_temperature) * taught.trust_rows[:, None]  # (n, L)
+        if route == "failed":
+            weights = weights * (~row_success).float()[:, None]
+        full = torch.zeros_like(batch.action_mask)
+        full[:n] = weights * token_scales[0]
+        terms.append((full, tc.lam))
+        metrics["teacher/imitation_weight_mean"] = (weights.sum() / teacher_mask.sum().clamp_min(1)).item()
+    lo, hi = bounds[3]
+    if wins.rows:
+        full = torch.zeros_like(batch.action_mask)
+        full[lo:hi] = batch.action_mask[lo:hi] * token_scales[3]
+        terms.append((full, cfg.route.win_coef))
+    return combine_imitation(terms), shares, metrics
+
+
+class TeacherMethod(Method):
+    """RSIPO's self-teacher and trust as a plug-in: after the batch is collated it computes
+    Delta on the policy's hinted rows and the trust applied to them, sets the token advantages
+    of every part (the policy's rows, then the skills', hatch's and the stored wins' rows), and
+    returns the imitation and distillation terms the update adds."""
+
+    name = "teacher"
+
+    @classmethod
+    def enabled(cls, cfg) -> bool:
+        return hasattr(cfg, "teacher")  # an RSIPO config (teacher.source = 'none' still sets the token advantages)
+
+    def open(self) -> None:
+        self.trust = make_trust(self.ctx.cfg)
+        if self.ctx.run.state:
+            self.trust.load_state_dict(self.ctx.run.state["trust"])
+        self.distilling = False
+
+    def shape(self, s, batch, played):
+        ctx, cfg = self.ctx, self.ctx.cfg
+        skills, hinted, wins = played.parts.get("skills", SkillStep()), played.parts.get("hatch", HintedStep()), played.parts.get("wins", WinStep())
+        library = ctx.find("skills").library
+        taught = teach(ctx.policy, played, skills, library, self.trust, ctx.pool, played.parts["buffer"], played.routes, batch.action_mask[: len(played.rows)],
+                       cfg, s.system, ctx.multi_turn, s.step + 1)
+        imitation, shares, extra = set_advantages(batch, played, skills, hinted, wins, taught, cfg)
+        distillation, distill_metrics = distillation_term(batch, played, taught, cfg)
+        extra.update(distill_metrics)
+        check_finite(s.step + 1, **{"advantages (outcome x teacher scale)": batch.advantages})
+        self.distilling = distillation is not None
+        metrics = {"advantage/outcome_abs": shares["outcome_abs"], "advantage/teacher_abs": shares["teacher_abs"], "teacher/share": shares["teacher_share"],
+                   **taught.metrics, **extra}
+        return Shaping(imitation, distillation, metrics)
+
+    def after_update(self, step, played, stats) -> dict:
+        # the distribution term before lam: token mean of w_t D_t, during the update
+        return {"loss/distill": stats.distill} if self.distilling else {}
+
+    def state_dict(self) -> dict:
+        return {"trust": self.trust.state_dict()}
+

@@ -1,8 +1,7 @@
 """RSIPO's stored wins for all-win groups (route.mode = 'pass_rate'): winning attempts from the
 replay buffer as supervised rows weighted by the group's pass rate.
 
-A phase of the RSIPO recipe (recursa/recipes/rsipo.py), not yet a plug-in on the
-`recursa.methods.Method` protocol."""
+A plug-in of RSIPO's step (recursa/recipes/rsipo.py): its extra rows follow the policy's own."""
 
 from __future__ import annotations
 
@@ -16,6 +15,7 @@ from recursa.models import Policy
 from recursa.rollout import render_prompt
 from recursa.trajectory import Trajectory
 from recursa.methods.attempts import Attempt, user_message
+from recursa.methods.base import Extra, Method
 
 # ----------------------------------------------------------------------------- attempts and contexts
 
@@ -48,3 +48,18 @@ def win_rows(policy: Policy, buffer: list[Attempt], routes: torch.Tensor, cfg: R
 
 
 # ----------------------------------------------------------------------------- teacher
+
+
+class WinsMethod(Method):
+    """route.mode = 'pass_rate' as a plug-in: stored wins for the all-win groups, rows after the hinted re-rolls'."""
+
+    name = "wins"
+
+    @classmethod
+    def enabled(cls, cfg) -> bool:
+        return getattr(getattr(cfg, "route", None), "mode", "off") == "pass_rate"
+
+    def rows(self, s, played, room):
+        wins = win_rows(self.ctx.policy, played.parts["buffer"], played.routes, self.ctx.cfg, s.system, s.generator)
+        played.parts["wins"] = wins
+        return Extra(wins.rows, 0, wins.metrics)

@@ -1,4 +1,4 @@
-"""The GRPO-family recipe, written out as the stages of a step (`train`):
+"""The GRPO-family recipe, the stages of a step (`train`):
 
     for step in range(steps):
         1 tasks      <- B training seeds (a seeded shuffle of the train split), or a method's
@@ -22,9 +22,12 @@
                         phase's end, the prompt round, the weights gate); the checkpoint with
                         every method's state; the evaluation every eval.every steps
 
-The optional methods are plug-ins (recursa/methods/, `GRPO_METHODS` below, and the user's
-[methods.<name>] tables): each implements the hooks of `recursa.methods.Method` it needs, and
-this loop calls them at the stage each hook names without knowing which are on.
+The loop itself is `recipes/loop.py:train_loop`, which RSIPO shares; this module gives it
+GRPO's sampling and scoring (`play_step`: `play_games`, `play_replies`), its metrics and
+checkpoint state (the `GRPO` recipe below), and holds the update. The optional methods are
+plug-ins (recursa/methods/, `GRPO_METHODS` below, and the user's [methods.<name>] tables):
+each implements the hooks of `recursa.methods.Method` it needs, and the loop calls them at
+the stage each hook names without knowing which are on.
 
 Every random draw of step k comes from a generator seeded by (train.seed, k), so a run
 resumed from a checkpoint replays exactly what an uninterrupted run would have done.
@@ -38,7 +41,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,23 +58,14 @@ from recursa.branching import branch_metrics, branched_advantages, sample_branch
 from recursa.config import OUTCOME_OBJECTIVES, GRPOConfig
 from recursa.distributed.ddp import SINGLE, DataParallel, SingleProcess
 from recursa.distributed.precision import learner_forward  # issue 47
-from recursa.distributed.rollouts import make_rollouts
-from recursa.engines import make_engine
-from recursa.envs import split_seed
 from recursa.generation import GenerationStats, SamplingParams, prefix_lengths, sequence_logprobs, shared_prefix_logprobs
-from recursa.methods.base import RunContext, StepEnd, check_methods, open_methods
 from recursa.models import Policy
 from recursa.plugins import OBJECTIVES
-from recursa.recipes.common import Progress, budget_left, check_finite, ends_run, eval_before, lr_at, mid_eval, mid_eval_due, mid_eval_missing, open_run, run_eval, step_generator
+from recursa.recipes.common import Progress, check_finite, lr_at, open_run, step_generator  # noqa: F401  (step_generator: benchmarks import it from here)
 from recursa.rewards import RewardSet, score_episodes, score_trajectories
 from recursa.self_rewards import SelfRewardContext
-from recursa.trajectory import Episode, TrainBatch, Trajectory, collate
-
-def train_seeds(cfg: GRPOConfig, step: int) -> list[int]:
-    """B training-task seeds for `step`: a seeded shuffle of the train range, disjoint
-    from every held-out range by construction."""
-    rng = random.Random(cfg.train.seed * 7919 + step)
-    return [split_seed("train", rng.randrange(10_000_000)) for _ in range(cfg.train.prompts_per_step)]
+from recursa.trajectory import Episode, TrainBatch, Trajectory
+from recursa.recipes.loop import Recipe, StepTimes, step_outcomes, train_loop, train_seeds  # noqa: F401  (the shared loop; train_seeds and step_outcomes live there)
 
 
 @dataclass
@@ -487,6 +480,11 @@ class Played:
         B, G = self.rewards.shape
         return [self.success[i * G : (i + 1) * G] for i in range(B)]
 
+    @property
+    def episodes(self) -> int:
+        """Episodes sampled: B x G, and the branch continuations."""
+        return self.rewards.numel() + (len(self.branches.episodes) if self.branches is not None else 0)
+
 
 def play_games(rollouts, seeds: list[int], cfg: GRPOConfig, sampling: SamplingParams, gen: torch.Generator, system_prompt: str | None,
                hints: list[str] | None, reward_set: RewardSet | None, step: int) -> Played:
@@ -571,15 +569,6 @@ def open_rewards(cfg: GRPOConfig, run) -> RewardSet | None:
     return reward_set
 
 
-def step_outcomes(cfg: GRPOConfig, played: Played) -> Outcomes | None:
-    """What the sequence objectives ('rebel', 'nft', 'apo') read of each sequence's outcome; None for the others."""
-    if cfg.algo.objective not in OUTCOME_OBJECTIVES:
-        return None
-    B, G = played.rewards.shape
-    return Outcomes(played.rewards, torch.tensor(played.success, dtype=torch.float32, device="cpu").view(B, G),
-                    torch.tensor(played.row_seq, dtype=torch.long, device="cpu"))
-
-
 def step_metrics(played: Played, st: UpdateStats, cfg: GRPOConfig, opt_step: int, t0: float, tp: float, t2: float) -> dict:
     """A step's own metrics: its episodes and rewards, the update's, and its times (t0 the
     step's start, tp the publish's start, t2 its end)."""
@@ -610,94 +599,44 @@ def step_metrics(played: Played, st: UpdateStats, cfg: GRPOConfig, opt_step: int
 GRPO_METHODS = ["curriculum", "rloop", "igrpo", "anchor", "gate"]
 
 
-def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress | None = None, log: Callable[[str], None] = print) -> Path:
-    """Run the recipe into `out` (continuing from its last checkpoint when `resume`)."""
+def open_grpo_run(cfg: GRPOConfig, out: Path, resume: bool, log: Callable[[str], None]):
     branching = cfg.rollout.branch != "off"
     single_turn_error = (f"rollout.branch = {cfg.rollout.branch!r} branches multi-turn games, but this task is single-turn (one reply per episode, "
                          "nothing to replay): set rollout.branch = 'off', or train on a game such as env.name = 'household'") if branching else None
-    check_methods(GRPO_METHODS, cfg, cfg.methods)  # a method's bad setting fails before the run directory is touched
-    run = open_run(cfg, out, resume, log, kl_reference=cfg.algo.needs_reference, single_turn_error=single_turn_error)
-    pool, store, policy, optimizer, multi_turn = run.pool, run.store, run.policy, run.optimizer, run.multi_turn
-    start_step, opt_step = run.start_step, run.opt_steps
-    engine = make_engine(cfg.rollout, policy)  # samples rollouts and decodes evaluations
-    rollouts = make_rollouts(cfg, policy, pool, log, engine)  # in this process (through the engine), or on Ray workers
-    reward_set = open_rewards(cfg, run)  # None: the env's reward alone
-    methods = open_methods(GRPO_METHODS, RunContext(cfg, run, engine, rollouts, reward_set, log, progress), cfg.methods)
-    methods.open()
-    gate = methods.gate  # records every held-out evaluation after training started as a test look
-    eval_before(run, cfg, progress, log, engine=engine)
-    if mid_eval_missing(cfg, store, start_step, cfg.train.steps):  # resumed at a checkpoint whose evaluation was cut off
-        mid_eval(policy, cfg, pool, store, start_step, progress, gate, log, engine=engine)
+    return open_run(cfg, out, resume, log, kl_reference=cfg.algo.needs_reference, single_turn_error=single_turn_error)
 
-    sampling = SamplingParams(cfg.sampling.max_new_tokens, cfg.sampling.temperature, cfg.sampling.top_p, tuple(cfg.sampling.stop))
-    system_prompt = cfg.model.system_prompt or None
-    B, G = cfg.train.prompts_per_step, cfg.train.group_size
-    extra = methods.extra_episodes(cfg)  # episodes the methods sample per step beyond B x G (iGRPO's drafts)
-    sampled_total = int(run.state.get("episodes", start_step * (B * G + extra)))  # budget/episodes: every episode sampled so far (branches, drafts)
-    last = start_step  # the last step trained (train.max_episodes can end the run before train.steps)
-    for step in range(start_step, cfg.train.steps):
-        if not budget_left(cfg, sampled_total):  # resumed at a checkpoint the cap ended the run at
-            break
-        t0 = time.perf_counter()
-        gen = step_generator(cfg.train.seed, step)
-        # 1. tasks: a method's (the curriculum's), else a seeded shuffle of the train split
-        tasks = methods.tasks(step, B, pool.take(1)[0])
-        seeds, hints = (train_seeds(cfg, step), None) if tasks is None else (tasks.seeds, tasks.hints)
-        methods.begin_step(step)
-        hints, hint_metrics = methods.hints(step, seeds, hints, sampling, gen, system_prompt)
-        # 2-4. sample, score, advantages
-        played = (play_games if multi_turn else play_replies)(rollouts, seeds, cfg, sampling, gen, system_prompt, hints, reward_set, step)
-        check_finite(step + 1, advantages=played.row_advantages)
-        sample_metrics = methods.after_sample(step, played)
-        # 5. update (+ the methods' loss term), then publish the new weights to the engine
-        batch = collate(played.trajs, played.row_advantages, policy.tokenizer.pad_token_id, policy.device)
-        st = update(policy, optimizer, batch, cfg, gen, opt_step, learner=run.learner, outcomes=step_outcomes(cfg, played), anchor=methods.update_term())
-        check_finite(step + 1, loss=st.loss, grad_norm=st.grad_norm)
-        opt_step += st.opt_steps
-        update_metrics_ = methods.after_update(step, played, st)
-        tp = time.perf_counter()
-        engine.load_weights(policy)
-        t2 = time.perf_counter()
-        # 6. record: metrics, samples, then the methods' end of step (gates, phases), checkpoint, evaluation
-        n_sampled = B * G + extra + (len(played.branches.episodes) if played.branches is not None else 0)
-        sampled_total += n_sampled
-        metrics = {**step_metrics(played, st, cfg, opt_step, t0, tp, t2), **hint_metrics, **sample_metrics, **update_metrics_,
-                   "episodes/sampled": n_sampled,  # every episode this step sampled: B x G, iGRPO's drafts, branch continuations (RSIPO: its hinted re-rolls)
-                   "budget/episodes": sampled_total, **rollouts.metrics(), **pool.metrics()}  # env/restarts: games that crashed or hung this step
-        store.log_metrics(step + 1, metrics)
-        store.log_samples(step + 1, [
-            {"seed": t.seed, "prompt": t.prompt_text, "completion": t.completion_text, "reward": t.reward, "advantage": float(played.row_advantages[i])}
-            for i, t in list(enumerate(played.trajs))[: cfg.run.log_samples]
-        ])
-        if progress:
-            progress("train", step + 1, cfg.train.steps)
-        log(
-            f"step {step + 1}/{cfg.train.steps}  reward {metrics['reward/mean']:.3f}  len {metrics['completion/len_mean']:.1f}  "
-            f"clip {st.clip_frac:.3f}  rollout {played.sampled_at - t0:.1f}s  update {t2 - played.sampled_at:.1f}s"
-        )
-        done = last = step + 1
-        final = ends_run(cfg, done, sampled_total, log)
-        end = StepEnd(done, final, gen, opt_step)
-        methods.end_step(end, store.log_metrics)
-        opt_step = end.opt_step
-        if (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0) or final:
-            saved = reward_set.state_dict() if reward_set is not None else {}
-            state = {"opt_steps": opt_step, **({"rewards": saved} if saved else {}), **({"episodes": sampled_total} if branching else {}),
-                     **methods.state_dict()}
-            store.save_checkpoint(done, policy, optimizer, state)
-        if not final and mid_eval_due(cfg, done, cfg.train.steps):  # after the checkpoint: a kill during the evaluation loses no training
-            mid_eval(policy, cfg, pool, store, done, progress, gate, log, engine=engine)
-        if final:
-            break
 
-    rollouts.close()
-    if cfg.train.steps == 0 and store.latest_checkpoint() is None:
-        store.save_checkpoint(0, policy, optimizer, {"opt_steps": 0})
-    if cfg.eval.after and cfg.eval.n > 0 and not (out / "eval" / "after.json").exists():
-        r = run_eval(policy, cfg, pool, store, last, "after", progress, gate, engine=engine)
-        log(f"after: success {r.success_rate:.3f} [{r.ci95[0]:.3f}, {r.ci95[1]:.3f}] on {r.n} {cfg.eval.split} items")
-    methods.close()
-    engine.close()
-    store.close()
-    pool.close()
-    return out
+def play_step(ctx, s) -> Played:
+    """Stage 2-4 of a GRPO step: sample, score, outcome advantages (games or single-turn replies)."""
+    play = play_games if ctx.multi_turn else play_replies
+    played = play(ctx.rollouts, s.seeds, ctx.cfg, s.sampling, s.generator, s.system, s.hints, ctx.reward_set, s.step)
+    check_finite(s.step + 1, advantages=played.row_advantages)
+    return played
+
+
+def grpo_state(cfg: GRPOConfig, reward_set: RewardSet | None, episodes: int) -> dict:
+    """The recipe's own checkpoint state: the rewards' (self_consistency's counts), and the episode count when branches make it vary."""
+    saved = reward_set.state_dict() if reward_set is not None else {}
+    return {**({"rewards": saved} if saved else {}), **({"episodes": episodes} if cfg.rollout.branch != "off" else {})}
+
+
+GRPO = Recipe(
+    name="grpo",
+    methods=GRPO_METHODS,
+    open=open_grpo_run,
+    rewards=open_rewards,
+    play=play_step,
+    metrics=lambda played, st, n_batch, cfg, opt_step, t: step_metrics(played, st, cfg, opt_step, t.start, t.updated, t.end),
+    summary=lambda cfg, done, m, st, played, t, methods: (
+        f"step {done}/{cfg.train.steps}  reward {m['reward/mean']:.3f}  len {m['completion/len_mean']:.1f}  "
+        f"clip {st.clip_frac:.3f}  rollout {played.sampled_at - t.start:.1f}s  update {t.end - played.sampled_at:.1f}s"),
+    system_prompt=lambda cfg, pool: cfg.model.system_prompt or None,  # fixed for the run (the prompt gate's admitted text reaches evaluations)
+    state=grpo_state,
+    update=lambda *a, **k: update(*a, **k),  # looked up at each step, so a patched grpo.update is the one called
+)
+
+
+def train(cfg: GRPOConfig, out: Path, resume: bool = False, progress: Progress | None = None, log: Callable[[str], None] = print) -> Path:
+    """Run the recipe into `out` (continuing from its last checkpoint when `resume`): the shared loop
+    (recipes/loop.py) with GRPO's sampling, metrics and `GRPO_METHODS`."""
+    return train_loop(GRPO, cfg, out, resume, progress, log)
