@@ -429,15 +429,18 @@ def cmd_examples(args) -> int:
         for rel, _ in files:
             print(rel.as_posix())
         return 0
+    from recursa.runio import atomic_write_bytes, inside
+
     dest = Path(args.dir)
     if dest.exists() and not dest.is_dir():
         raise UserError(f"{dest} is a file: pass a directory to copy the examples into")
+    for rel, _ in files:  # a file or folder of DIR linked elsewhere is never written through (issue 49)
+        inside(dest, dest / rel, "the examples directory")
     clashes = [rel for rel, src in files if (dest / rel).exists() and (dest / rel).read_bytes() != src.read_bytes()]
     if clashes and not args.overwrite:
         raise UserError(f"{dest / clashes[0]} exists and differs from recursa's example ({len(clashes)} such files): pass --overwrite or another DIR")
     for rel, src in files:
-        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-        (dest / rel).write_bytes(src.read_bytes())
+        atomic_write_bytes(dest / rel, src.read_bytes())  # replaces a link inside DIR instead of writing through it
     print(f"copied {len(files)} example configs to {dest}/; try: recursa train {(dest / 'smoke.toml').as_posix()} --out runs/smoke")
     return 0
 

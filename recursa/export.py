@@ -30,6 +30,7 @@ some vLLM releases are, get the same rotary base instead of their default.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -38,6 +39,32 @@ import torch
 from recursa.errors import UserError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+MARKER = "recursa_export.json"  # written into every export: `--overwrite` replaces only a directory that holds it
+
+
+def check_export_target(run_dir: Path, out: Path, overwrite: bool) -> None:
+    """Refuse (one-line UserError), before anything is loaded or written, an --out that is
+    not ours to fill: a non-empty directory without --overwrite, and with --overwrite a
+    directory that is not an earlier recursa export (no recursa_export.json), `.`, a parent
+    of the working directory, the home directory, the run itself, a directory inside the
+    run (its checkpoints) or one that holds the run."""
+    from recursa.runio import refuse_deleting
+
+    if out.is_symlink():
+        raise UserError(f"--out {out} is a symbolic link: pass the real directory for the model")
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file: pass a directory for the model")
+    run, target = Path(run_dir).resolve(), out.resolve()
+    if target == run or run in target.parents or target in run.parents:
+        raise UserError(f"--out {out} is {'the run directory' if target == run else 'inside the run directory' if run in target.parents else 'a parent of the run directory'} {run_dir}: "
+                        "export to a directory outside the run")
+    if not out.exists() or not any(out.iterdir()):
+        return
+    if not overwrite:
+        raise UserError(f"{out} exists and is not empty: choose another --out or pass --overwrite")
+    refuse_deleting(out)
+    if out.is_symlink() or not (out / MARKER).is_file():
+        raise UserError(f"--overwrite {out}: it is not a model directory recursa exported (no {MARKER} in it); refusing to delete it: choose a new or empty --out")
 
 
 def run_checkpoint(run_dir: Path, checkpoint: str = "last") -> Path:
@@ -154,32 +181,43 @@ def export_run(run_dir: Path, out: Path, checkpoint: str = "last", dtype: str = 
     """Write the run's checkpoint to `out` as a standalone Hugging Face model directory
     (LoRA merged); `dtype` 'auto' keeps the run's `model.dtype`; `interpolate` = alpha
     writes theta_0 + alpha (theta - theta_0) toward the run's warm start instead."""
+    import tempfile
+
     out = Path(out)
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype!r}: choose one of {list(DTYPES)}")
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise UserError(f"{out} exists and is not empty: choose another --out or pass --overwrite")
+    run_checkpoint(run_dir, checkpoint)  # a run with that checkpoint, before the target is judged
+    check_export_target(run_dir, out, overwrite)
     cfg, ckpt, policy = load_run_policy(run_dir, checkpoint, interpolate=interpolate)
     model = policy.model.merge_and_unload() if policy.is_lora else policy.model
     if dtype != "auto":
         model = model.to(getattr(torch, dtype))
     model.config.use_cache = True
-    tmp = out.with_name(out.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))  # a fresh directory of ours: no other is ever removed
+    os.chmod(tmp, 0o755)  # mkdtemp's 0o700 would make the export private
+    try:
+        _write_export(tmp, run_dir, cfg, ckpt, policy, model, interpolate)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():
+        check_export_target(run_dir, out, overwrite)  # again, just before the delete
+        shutil.rmtree(out) if any(out.iterdir()) else out.rmdir()
+    tmp.rename(out)
+    return out
+
+
+def _write_export(tmp: Path, run_dir: Path, cfg, ckpt: Path, policy, model, interpolate: float | None) -> None:
     model.save_pretrained(str(tmp), safe_serialization=True)
     policy.tokenizer.save_pretrained(str(tmp))
     _add_legacy_keys(tmp / "config.json")
     _chat_template_in_tokenizer_config(tmp / "tokenizer_config.json", policy.tokenizer.chat_template)
-    (tmp / "recursa_export.json").write_text(json.dumps({
+    (tmp / MARKER).write_text(json.dumps({
         "run": str(Path(run_dir).resolve()), "checkpoint": ckpt.name, "model": cfg.model.name,
         "lora_merged": cfg.model.lora is not None, "dtype": str(model.dtype).removeprefix("torch."),
         **({"interpolate": interpolate, "warm_start": cfg.init.from_run or cfg.model.name} if interpolate is not None else {}),
     }, indent=1) + "\n")
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
-    return out
 
 
 def _add_legacy_keys(path: Path) -> None:

@@ -516,7 +516,9 @@ def plot_lineage(lineage: Lineage, path: Path) -> Path:
 def _open_ledger(run_dir: Path) -> sqlite3.Connection | None:
     """RUN_DIR/ledger.sqlite opened read-only, or None when it is missing or holds no
     lineage tables (a run without a gate). Reports never create or change a ledger."""
-    ledger = Path(run_dir) / "ledger.sqlite"
+    from recursa.runio import inside
+
+    ledger = inside(run_dir, Path(run_dir) / "ledger.sqlite")
     if not ledger.is_file():
         return None
     db = sqlite3.connect(f"{ledger.resolve().as_uri()}?mode=ro", uri=True)
@@ -530,6 +532,9 @@ def _open_ledger(run_dir: Path) -> sqlite3.Connection | None:
 def show_lineage(run_dir: Path) -> tuple[str, Path]:
     """For `recursa lineage RUN_DIR`: the text tree, and the PNG written to
     RUN_DIR/plots/lineage.png. UserError when the run has no lineage."""
+    from recursa.runio import inside
+
+    inside(run_dir, Path(run_dir) / "plots" / "lineage.png")  # written inside the run only (issue 49)
     db = _open_ledger(run_dir)
     if db is None:
         raise UserError(
@@ -546,6 +551,8 @@ def show_lineage(run_dir: Path) -> tuple[str, Path]:
 def report_section(run_dir: Path) -> list[str]:
     """For write_report: summary_lines plus the lineage plot (RUN_DIR/plots/lineage.png,
     embedded by its path relative to RUN_DIR); [] for a run that recorded no lineage."""
+    from recursa.runio import inside
+
     db = _open_ledger(run_dir)
     if db is None:
         return []
@@ -553,7 +560,7 @@ def report_section(run_dir: Path) -> list[str]:
         lineage = Lineage(db)
         if not lineage.candidates() and not lineage.test_looks():
             return []
-        plot_lineage(lineage, Path(run_dir) / "plots" / "lineage.png")
+        plot_lineage(lineage, inside(run_dir, Path(run_dir) / "plots" / "lineage.png"))
         return summary_lines(lineage) + ["![Lineage](plots/lineage.png)", ""]
     finally:
         db.close()

@@ -333,12 +333,14 @@ def read_full_weights(directory: Path) -> dict[str, torch.Tensor]:
 
     from safetensors.torch import load_file
 
+    from recursa.runio import inside
+
     if (directory / WEIGHTS_FILE).exists():
         return load_file(str(directory / WEIGHTS_FILE), device="cpu")
     index = json.loads((directory / WEIGHTS_INDEX).read_text())
     state: dict[str, torch.Tensor] = {}
     for shard in sorted(set(index["weight_map"].values())):
-        state.update(load_file(str(directory / shard), device="cpu"))
+        state.update(load_file(str(inside(directory, directory / shard, "the checkpoint")), device="cpu"))  # no ../ shard (issue 49)
     return state
 
 

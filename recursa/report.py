@@ -409,6 +409,18 @@ def _config_block(text: str) -> list[str]:
 # --------------------------------------------------------------------------- entry point
 
 
+def contained_outputs(run_dir: Path) -> None:
+    """Refuse (one-line UserError) a report.md, plots/ directory or plot file that leads out
+    of the run directory (a symlink): the report and the plots are written only inside it."""
+    from recursa.runio import inside
+
+    inside(run_dir, run_dir / "report.md")
+    plots = inside(run_dir, run_dir / "plots")
+    if plots.is_dir():
+        for p in plots.iterdir():
+            inside(run_dir, p)
+
+
 def write_report(run_dir: Path) -> Path:
     """Write ``run_dir/plots/*.png`` and ``run_dir/report.md``; return the report path.
 
@@ -417,17 +429,20 @@ def write_report(run_dir: Path) -> Path:
     share item seeds), final-step metrics, and the plots, embedded by paths
     relative to ``run_dir``.  Plots whose metrics were never logged are skipped.
     """
+    from recursa.runio import inside
+
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise FileNotFoundError(f"run directory not found: {run_dir}")
-    records = load_metrics(run_dir / "metrics.jsonl")
-    eval_dir = run_dir / "eval"
-    evals = [(p, load_eval(p)) for p in sorted(eval_dir.glob("*.json"))] if eval_dir.is_dir() else []
+    contained_outputs(run_dir)  # every file read or written below stays inside the run (issue 49)
+    records = load_metrics(inside(run_dir, run_dir / "metrics.jsonl"))
+    eval_dir = inside(run_dir, run_dir / "eval")
+    evals = [(p, load_eval(inside(run_dir, p))) for p in sorted(eval_dir.glob("*.json"))] if eval_dir.is_dir() else []
 
     name = run_dir.resolve().name
     lines = [f"# Run report: {name}", ""]
 
-    config = run_dir / "config.toml"
+    config = inside(run_dir, run_dir / "config.toml")
     if config.is_file():
         lines += _config_block(config.read_text(encoding="utf-8"))
 

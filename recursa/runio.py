@@ -10,7 +10,10 @@
   the lock when its holder dies, so a lock left by a killed process is taken over; a
   second live writer is refused with one line naming the holder.
 * :func:`is_run_dir` / :func:`remove_run_files` let ``--overwrite`` refuse a directory
-  that is not a recursa run and delete only a run's own files.
+  that is not a recursa run and delete only a run's own files; :func:`refuse_deleting`
+  refuses ``.``, a parent of the working directory and the home directory outright.
+* :func:`inside` is the containment check of every reader and writer of a run directory:
+  a path that resolves (symlinks followed) outside the directory is refused in one line.
 * :func:`user_error_of` turns the operating system's failures (disk full, permission
   denied, read-only file system) into one-line :class:`~recursa.errors.UserError` messages.
 * :func:`fault_point` is the fault-injection hook of the test suite: with
@@ -44,8 +47,10 @@ __all__ = [
     "atomic_write_text",
     "fault_point",
     "fsync_dir",
+    "inside",
     "is_run_dir",
     "read_jsonl",
+    "refuse_deleting",
     "remove_run_files",
     "user_error_of",
 ]
@@ -98,6 +103,38 @@ def fault_point(name: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     if _matches(enospc, name):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), name)
+
+
+# ----------------------------------------------------------------------------- containment
+
+
+def inside(root: Path, path: Path | str, what: str = "the run directory") -> Path:
+    """`path` (a path under `root`, e.g. root / "metrics.jsonl") when it resolves inside `root` with
+    every symlink followed; else a one-line UserError: a file of a run directory (a lock, a
+    log, plots/, a checkpoint's shard) never points outside it, so no command reads or
+    writes elsewhere through one (issue 49). Returns the unresolved path."""
+    root, path = Path(root), Path(path)
+    base = root.resolve()
+    try:
+        real = path.resolve()
+    except (OSError, RuntimeError):  # a symlink loop
+        raise UserError(f"{path} is a symlink loop inside {what} {root}: remove it") from None
+    if real != base and base not in real.parents:
+        raise UserError(f"{path} points outside {what} {root} (to {real}): a run directory's files must stay inside it; remove that link or file")
+    return path
+
+
+def refuse_deleting(path: Path, flag: str = "--overwrite") -> None:
+    """A one-line UserError when `path` is a directory no --overwrite may delete, whatever
+    it holds: the file-system root, the home directory or one of its parents, the working
+    directory or one of its parents."""
+    real = Path(path).resolve()
+    cwd, home = Path.cwd().resolve(), Path.home().resolve()
+    why = ("the file-system root" if real == Path(real.anchor) else "your home directory" if real == home
+           else "a parent of your home directory" if real in home.parents else "the working directory" if real == cwd
+           else "a parent of the working directory" if real in cwd.parents else None)
+    if why:
+        raise UserError(f"{flag} {path}: it is {why}; refusing to delete anything there: choose a new or empty directory")
 
 
 # ----------------------------------------------------------------------------- atomic writes
@@ -239,7 +276,8 @@ class RunLock:
             self._depth += 1
             return self
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        inside(self.run_dir, self.path)  # a lock file linked elsewhere is refused, not written through
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -299,12 +337,27 @@ _RUN_FILES = ("config.toml", "metrics.jsonl", "samples.jsonl", "ledger.sqlite", 
 _RUN_DIRS = ("eval", "checkpoints", "incumbents", "plots", "tb")
 
 
+def _is_ledger(path: Path) -> bool:
+    """A run's ledger: a regular file (not a link) that is a SQLite database."""
+    try:
+        if path.is_symlink() or not path.is_file():
+            return False
+        with open(path, "rb") as f:
+            return f.read(16) == b"SQLite format 3\x00"
+    except OSError:
+        return False
+
+
 def is_run_dir(path: Path) -> bool:
-    """Whether `path` holds a recursa run: a config.toml naming a recipe, or a ledger or
-    metrics log next to an eval/ or checkpoints/ directory."""
+    """Whether `path` holds a recursa run, i.e. recursa wrote it: its ledger.sqlite (which the
+    run store creates before anything else) beside a config.toml naming a recipe, or beside a
+    metrics log, an eval/ or checkpoints/ directory. A project directory holding its own
+    config.toml, even one naming a recipe, is not a run."""
     import tomllib
 
     path = Path(path)
+    if not _is_ledger(path / "ledger.sqlite"):
+        return False
     cfg = path / "config.toml"
     if cfg.is_file():
         try:
@@ -312,8 +365,7 @@ def is_run_dir(path: Path) -> bool:
                 return True
         except (tomllib.TOMLDecodeError, OSError):
             pass
-    marks = any((path / f).is_file() for f in ("ledger.sqlite", "metrics.jsonl"))
-    return marks and any((path / d).is_dir() for d in ("eval", "checkpoints"))
+    return (path / "metrics.jsonl").is_file() or any((path / d).is_dir() for d in ("eval", "checkpoints"))
 
 
 def _step_tagged(path: Path) -> bool:
@@ -342,9 +394,11 @@ def remove_run_files(path: Path) -> list[str]:
     if not path.is_dir():
         raise UserError(f"--overwrite {path}: it is a file, not a run directory; choose another --out")
     entries = [p for p in path.iterdir() if p.name != LOCK_NAME]
+    if entries:
+        refuse_deleting(path)
     if entries and not is_run_dir(path):
         raise UserError(
-            f"--overwrite {path}: this directory is not a recursa run (no config.toml naming a recipe) and is not empty; "
+            f"--overwrite {path}: this directory is not a recursa run (no ledger.sqlite that recursa wrote) and is not empty; "
             "refusing to delete anything: choose an empty or new --out"
         )
     kept = []

@@ -56,7 +56,7 @@ import torch
 
 from recursa.errors import UserError
 from recursa.tracking import Trackers
-from recursa.runio import RunLock, append_line, atomic_write_bytes, atomic_write_json, atomic_write_text, fault_point, fsync_dir, read_jsonl
+from recursa.runio import RunLock, append_line, atomic_write_bytes, atomic_write_json, atomic_write_text, fault_point, fsync_dir, inside, read_jsonl
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS evaluations (
@@ -80,10 +80,12 @@ class RunStore:
         self.path.mkdir(parents=True, exist_ok=True)
         self.lock = RunLock.of(self.path).acquire()  # a second writer is refused here, before anything is written
         try:
+            for name in ("eval", "checkpoints", "incumbents", "plots", "report.md", "config.toml"):
+                inside(self.path, self.path / name)  # nothing the run writes may lead out of it (issue 49)
             (self.path / "eval").mkdir(exist_ok=True)
-            self.metrics_path = self.path / "metrics.jsonl"
-            self.samples_path = self.path / "samples.jsonl"
-            self.db = _open_ledger(self.path / "ledger.sqlite")
+            self.metrics_path = inside(self.path, self.path / "metrics.jsonl")
+            self.samples_path = inside(self.path, self.path / "samples.jsonl")
+            self.db = _open_ledger(inside(self.path, self.path / "ledger.sqlite"))
         except BaseException:
             self.lock.release()
             raise
@@ -105,16 +107,16 @@ class RunStore:
         """Append records, each tagged with `step`, to RUN_DIR/<name>.jsonl (a recipe's own
         log, e.g. expert iteration's kept solutions); truncated on resume like the metrics."""
         if records:
-            append_line(self.path / f"{name}.jsonl", "".join(json.dumps({"step": step, **r}) + "\n" for r in records))
+            append_line(inside(self.path, self.path / f"{name}.jsonl"), "".join(json.dumps({"step": step, **r}) + "\n" for r in records))
 
     def read_jsonl(self, name: str) -> list[dict]:
-        return read_jsonl(self.path / f"{name}.jsonl")
+        return read_jsonl(inside(self.path, self.path / f"{name}.jsonl"))
 
     def truncate_after(self, step: int) -> None:
         """Drop every log line (of every RUN_DIR/*.jsonl) and ledger row with a step greater than
         `step`; a line torn by a kill is dropped too. Each log is rewritten atomically."""
         for path in sorted(self.path.glob("*.jsonl")):
-            if path.exists():
+            if inside(self.path, path).exists():
                 kept = [r for r in read_jsonl(path) if r.get("step", 0) <= step]
                 atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
                 fault_point("truncate.jsonl")
@@ -138,6 +140,7 @@ class RunStore:
         ledger row (and test look) whose file never arrived, and re-logs the metrics line of
         a committed evaluation a kill cut off. The metrics row is kept in the file for that."""
         data = {**result.to_json(), "step": step, "metrics_row": {k: _jsonable(v) for k, v in metrics.items()}}
+        inside(self.path, path)
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         atomic_write_json(tmp, data)
         fault_point("eval.tmp")
@@ -167,7 +170,7 @@ class RunStore:
 
     # ---- checkpoints ------------------------------------------------------------
     def checkpoint_dir(self, step: int) -> Path:
-        return self.path / "checkpoints" / f"step_{step:06d}"
+        return inside(self.path, self.path / "checkpoints" / f"step_{step:06d}")
 
     def save_checkpoint(self, step: int, policy, optimizer: torch.optim.Optimizer, state: dict) -> Path:
         """Write checkpoints/step_K whole (or not at all), then its ledger row. On a full
@@ -234,7 +237,7 @@ class RunStore:
         aside an evaluation file that cannot be read, and re-log the metrics line of a
         committed evaluation that a kill cut off."""
         for path in sorted(self.path.glob("*.jsonl")):  # a line torn by a kill mid-append: cut it, so appends start on a fresh line
-            data = path.read_bytes()
+            data = inside(self.path, path).read_bytes()
             if data and not data.endswith(b"\n"):
                 atomic_write_bytes(path, data[: data.rfind(b"\n") + 1])
                 log(f"reconciled: dropped the torn last line of {path.name} (a kill mid-write)")
@@ -273,6 +276,7 @@ class RunStore:
         recorded = {r[0] for r in self.db.execute("SELECT path FROM evaluations")}
         metrics = read_jsonl(self.metrics_path)
         for path in sorted((self.path / "eval").glob("*.json")):
+            inside(self.path, path)
             rel = str(path.relative_to(self.path))
             try:
                 data = json.loads(path.read_text())
@@ -399,6 +403,14 @@ def checkpoint_problem(ckpt: Path) -> str | None:
     except (OSError, ValueError) as exc:
         return f"state.json: {type(exc).__name__}"
     weights = sorted(ckpt.glob("*.safetensors"))
+    index = ckpt / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            shards = json.loads(index.read_text())["weight_map"].values()
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            return f"{index.name}: unreadable ({type(exc).__name__})"
+        for shard in sorted(set(map(str, shards))):
+            inside(ckpt, ckpt / shard, "the checkpoint")  # a shard named ../../x is refused, not skipped
     if not weights:
         return "no weights file"
     for w in weights:
@@ -476,10 +488,15 @@ def _to_cpu(obj):
 
 def finished_checkpoints(run_dir: Path) -> list[Path]:
     """A run's complete checkpoints (state.json written), oldest first."""
-    root = Path(run_dir) / "checkpoints"
+    run_dir = Path(run_dir)
+    root = inside(run_dir, run_dir / "checkpoints")
     if not root.exists():
         return []
-    return sorted(p for p in root.glob("step_*") if p.name.count(".") == 0 and (p / "state.json").exists())
+    done = sorted(p for p in root.glob("step_*") if p.name.count(".") == 0 and (p / "state.json").exists())
+    for p in done:  # a checkpoint (or a file of one) linked out of the run is refused, not read
+        for f in [p, *p.iterdir()]:
+            inside(run_dir, f)
+    return done
 
 
 def _jsonable(v):

@@ -126,7 +126,11 @@ def test_export_errors_are_one_line(tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert err.startswith("error: ") and message in err and "\n" not in err, (argv, err)
     assert not (tmp_path / "o").exists() and not (tmp_path / "o.tmp").exists()
-    assert main(["export", str(run), "--out", str(taken), "--overwrite"]) == 0 and (taken / "config.json").exists()
+    # --overwrite replaces only an earlier export (issue 49): a directory of the user's stays as it is
+    assert main(["export", str(run), "--out", str(taken), "--overwrite"]) == 2 and "not a model directory recursa exported" in capsys.readouterr().err
+    assert sorted(p.name for p in taken.iterdir()) == ["x"]
+    assert main(["export", str(run), "--out", str(tmp_path / "o")]) == 0
+    assert main(["export", str(run), "--out", str(tmp_path / "o"), "--overwrite"]) == 0 and (tmp_path / "o" / "config.json").exists()
 
 
 def _to_bare_format(ckpt: Path) -> None:

@@ -216,3 +216,188 @@ def test_commands_that_read_a_run_import_nothing_it_names(tmp_path, capsys, argv
     run, marker = _hostile_run(tmp_path, HOSTILE_ENV)
     main([a.replace("RUN", str(run)).replace("OUT", str(tmp_path / "out")) for a in argv])
     assert not marker.exists()
+
+
+# ----------------------------------------------------------------------------- containment: nothing points out of a run
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    run = tmp_path_factory.mktemp("trained") / "run"
+    assert main(["train", SMOKE, "--out", str(run), "--set", "train.steps=1", "--set", "eval.n=2", "--set", "run.checkpoint_every=1",
+                 "--set", "sampling.max_new_tokens=4", "--set", "train.group_size=2"]) == 0
+    return run
+
+
+def _copy(trained: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(trained, run, symlinks=True)
+    return run
+
+
+def _outside(tmp_path: Path) -> Path:
+    victim = tmp_path / "outside.txt"
+    victim.write_text("the user's file\n")
+    return victim
+
+
+def _contained(capsys, argv: list[str]) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "points outside" in err, err
+
+
+@pytest.mark.parametrize("name", [".recursa.lock", "metrics.jsonl", "samples.jsonl"])
+def test_a_log_or_lock_linked_out_of_the_run_is_refused_by_train(trained, tmp_path, capsys, name):
+    run, victim = _copy(trained, tmp_path), _outside(tmp_path)
+    (run / name).unlink(missing_ok=True)
+    (run / name).symlink_to(victim)
+    _contained(capsys, ["train", "--resume", str(run)])
+    assert victim.read_text() == "the user's file\n"
+
+
+def test_report_refuses_metrics_eval_and_plots_linked_out(trained, tmp_path, capsys):
+    import shutil
+
+    run, victim = _copy(trained, tmp_path), _outside(tmp_path)
+    (run / "metrics.jsonl").rename(tmp_path / "m.jsonl")
+    (run / "metrics.jsonl").symlink_to(tmp_path / "m.jsonl")
+    _contained(capsys, ["report", str(run)])
+    (run / "metrics.jsonl").unlink()
+    (tmp_path / "m.jsonl").rename(run / "metrics.jsonl")
+    before = run / "eval" / "before.json"
+    before.rename(tmp_path / "before.json")
+    before.symlink_to(tmp_path / "before.json")
+    _contained(capsys, ["report", str(run)])
+    before.unlink()
+    (tmp_path / "before.json").rename(before)
+    assert main(["report", str(run)]) == 0  # whole again: it reports
+    (run / "plots" / "reward.png").unlink()
+    (run / "plots" / "reward.png").symlink_to(victim)  # a plot file linked out
+    _contained(capsys, ["report", str(run)])
+    assert victim.read_text() == "the user's file\n"
+    shutil.rmtree(run / "plots")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (run / "plots").symlink_to(elsewhere, target_is_directory=True)  # the plots directory linked out
+    _contained(capsys, ["report", str(run)])
+    _contained(capsys, ["lineage", str(run)])
+    _contained(capsys, ["train", "--resume", str(run)])
+    assert list(elsewhere.iterdir()) == []
+
+
+def _shard_index(ckpt: Path, shard: str) -> None:
+    (ckpt / "model.safetensors").rename(ckpt / "model-00001-of-00001.safetensors")
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {"model.embed_tokens.weight": shard}}))
+
+
+def test_a_shard_index_naming_files_outside_the_checkpoint_is_refused(trained, tmp_path, capsys):
+    run = _copy(trained, tmp_path)
+    ckpt = run / "checkpoints" / "step_000001"
+    _shard_index(ckpt, "../../../outside.safetensors")
+    (tmp_path / "outside.safetensors").write_bytes((ckpt / "model-00001-of-00001.safetensors").read_bytes())
+    for argv in (["eval", "--run", str(run), "--n", "1"], ["export", str(run), "--out", str(tmp_path / "x")], ["train", "--resume", str(run)]):
+        _contained(capsys, argv)
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_sharded_checkpoint_inside_the_run_still_loads(trained, tmp_path):
+    run = _copy(trained, tmp_path)
+    ckpt = run / "checkpoints" / "step_000001"
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(ckpt / "model.safetensors"))
+    (ckpt / "model.safetensors").unlink()
+    names = sorted(state)
+    half = len(names) // 2
+    save_file({k: state[k] for k in names[:half]}, str(ckpt / "a.safetensors"))
+    save_file({k: state[k] for k in names[half:]}, str(ckpt / "b.safetensors"))
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {k: ("a" if i < half else "b") + ".safetensors" for i, k in enumerate(names)}}))
+    assert main(["eval", "--run", str(run), "--n", "1"]) == 0
+
+
+def test_a_checkpoint_linked_out_of_the_run_is_refused(trained, tmp_path, capsys):
+    run = _copy(trained, tmp_path)
+    ckpt = run / "checkpoints" / "step_000001"
+    ckpt.rename(tmp_path / "step_000001")
+    ckpt.symlink_to(tmp_path / "step_000001", target_is_directory=True)
+    _contained(capsys, ["eval", "--run", str(run), "--n", "1"])
+    _contained(capsys, ["export", str(run), "--out", str(tmp_path / "x")])
+
+
+# ----------------------------------------------------------------------------- --overwrite deletes only what recursa wrote
+
+
+def _user_dir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "notes.txt").write_text("mine\n")
+    return path
+
+
+def _kept(capsys, argv: list[str], *dirs: Path, says: str = "refusing") -> None:
+    before = {d: sorted(p.name for p in d.iterdir()) for d in dirs}
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and says in err, err
+    assert {d: sorted(p.name for p in d.iterdir()) for d in dirs} == before
+
+
+def test_export_overwrite_refuses_what_is_not_an_export(trained, tmp_path, capsys, monkeypatch):
+    user = _user_dir(tmp_path / "mine")
+    _kept(capsys, ["export", str(trained), "--out", str(user), "--overwrite"], user)
+    (user / "recursa_export.json").write_text("{}")  # even with the marker: not the working directory ...
+    monkeypatch.chdir(user)
+    _kept(capsys, ["export", str(trained), "--out", ".", "--overwrite"], user)
+    _kept(capsys, ["export", str(trained), "--out", "..", "--overwrite"], user)
+    home = _user_dir(tmp_path / "home")
+    (home / "recursa_export.json").write_text("{}")
+    monkeypatch.setenv("HOME", str(home))  # ... nor the home directory
+    monkeypatch.chdir(tmp_path)
+    _kept(capsys, ["export", str(trained), "--out", str(home), "--overwrite"], home)
+    for target in (trained, trained / "checkpoints", trained / "checkpoints" / "step_000001", trained.parent):
+        _kept(capsys, ["export", str(trained), "--out", str(target), "--overwrite"], target, says="run directory")
+
+
+def test_export_overwrite_replaces_an_earlier_export(trained, tmp_path, capsys):
+    out = tmp_path / "model"
+    assert main(["export", str(trained), "--out", str(out)]) == 0
+    (out / "stale.bin").write_text("x")
+    assert main(["export", str(trained), "--out", str(out), "--overwrite"]) == 0
+    assert (out / "recursa_export.json").is_file() and not (out / "stale.bin").exists()
+    assert not [p for p in tmp_path.iterdir() if ".tmp" in p.name]  # no temporary directory left behind
+
+
+def test_train_overwrite_refuses_a_project_directory(tmp_path, capsys, monkeypatch):
+    project = _user_dir(tmp_path / "project")
+    (project / "config.toml").write_text((ROOT / "examples" / "smoke.toml").read_text())  # the user's own config, naming a recipe
+    (project / "data.jsonl").write_text('{"step": 1}\n')
+    _kept(capsys, ["train", SMOKE, "--out", str(project), "--overwrite"], project)
+    monkeypatch.chdir(project)
+    _kept(capsys, ["train", SMOKE, "--out", ".", "--overwrite"], project)
+
+
+def test_train_overwrite_refuses_the_working_directory_even_when_it_is_a_run(trained, tmp_path, capsys, monkeypatch):
+    run = _copy(trained, tmp_path)
+    monkeypatch.chdir(run)
+    _kept(capsys, ["train", SMOKE, "--out", ".", "--overwrite"], run, says="working directory")
+
+
+def test_examples_overwrite_never_writes_through_a_link_out(tmp_path, capsys):
+    dest = tmp_path / "ex"
+    assert main(["examples", str(dest)]) == 0
+    victim = _outside(tmp_path)
+    (dest / "smoke.toml").unlink()
+    (dest / "smoke.toml").symlink_to(victim)
+    _contained(capsys, ["examples", str(dest), "--overwrite"])
+    assert victim.read_text() == "the user's file\n"
+    (dest / "smoke.toml").unlink()
+    sub = next(p for p in dest.iterdir() if p.is_dir())
+    import shutil
+
+    shutil.rmtree(sub)
+    (tmp_path / "elsewhere").mkdir()
+    sub.symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    _contained(capsys, ["examples", str(dest), "--overwrite"])
+    assert list((tmp_path / "elsewhere").iterdir()) == []
