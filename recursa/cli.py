@@ -81,6 +81,8 @@ def cmd_train(args) -> int:
     if args.help_config:
         print("\n".join(describe(RECIPES[args.recipe])))
         return 0
+    if args.out is not None and not args.out.strip():
+        raise UserError("--out '': give the run directory a name, e.g. --out runs/smoke")
     if args.resume:
         run_dir = Path(args.resume)
         if not (run_dir / "config.toml").exists():
@@ -351,6 +353,8 @@ def cmd_export(args) -> int:
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
         raise UserError(f"{run_dir} is not a directory: pass a run directory written by `recursa train`")
+    if not args.out.strip():
+        raise UserError("--out '': give the model directory a name, e.g. --out models/smoke")
     out = export_run(run_dir, Path(args.out), args.checkpoint, args.dtype, args.overwrite, args.interpolate)
     print(f"wrote {out}: load it with AutoModelForCausalLM.from_pretrained({str(out)!r}) or vllm.LLM(model={str(out)!r})")
     return 0

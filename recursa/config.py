@@ -76,7 +76,7 @@ class TinyModelConfig(_Section):
     num_heads: int = Field(4, gt=0, description="attention heads")
     num_kv_heads: int = Field(2, gt=0, description="key/value heads (grouped-query attention)")
     max_positions: int = Field(2048, gt=0, description="maximum sequence length")
-    seed: int = Field(0, description="seed of the random initial weights")
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="seed of the random initial weights (0 .. 2^32 - 1)")
 
 
 class LoraSettings(_Section):
@@ -289,6 +289,10 @@ class DatasetConfig(_Section):
     def _check_dataset(self) -> "DatasetConfig":
         if self.source in ("jsonl", "parquet", "hf") and not self.path:
             raise ValueError(f"data.source = {self.source!r} needs data.path")
+        import os
+
+        if self.path and os.path.exists(self.path) and not (os.path.isfile(self.path) or os.path.isdir(self.path)):
+            raise ValueError(f"data.path = {self.path!r} is not a regular file or directory (a FIFO, socket or device would hang or never end): pass a data file")
         if self.gate_frac + self.test_frac >= 1:
             raise ValueError("data.gate_frac + data.test_frac must be < 1: some rows must be left for training")
         return self
@@ -443,7 +447,7 @@ class OptimConfig(_Section):
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
     max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping by global norm")
     logit_chunk: int = Field(512, gt=0, description="positions per chunk of the vocabulary projection")
-    seed: int = Field(0, description="seed for task order, sampling and shuffling")
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="seed for task order, sampling and shuffling (0 .. 2^32 - 1)")
     precision: Literal["fp32", "bf16"] = Field(
         "fp32",
         description="the learner's forwards (old, reference and training log-probs, the supervised step): fp32, or bf16 autocast over float32 "

@@ -55,6 +55,8 @@ def import_object(target: str, what: str):
         raise UserError(f"{what} = {target!r}: cannot import module {module_name!r} ({one_line(exc)}); install the package or put it on PYTHONPATH") from None
     except Exception as exc:  # the module's own code failed while importing
         raise UserError(f"{what} = {target!r}: importing {module_name!r} failed: {type(exc).__name__}: {one_line(exc)}") from None
+    except SystemExit as exc:  # the module called sys.exit while importing: one line, not a silent exit (issue 49)
+        raise UserError(f"{what} = {target!r}: importing {module_name!r} called sys.exit({exc.code!r}); a module a config names must not exit the process") from None
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise UserError(f"{what} = {target!r}: module {module_name!r} has no attribute {attr!r}")

@@ -401,3 +401,50 @@ def test_examples_overwrite_never_writes_through_a_link_out(tmp_path, capsys):
     sub.symlink_to(tmp_path / "elsewhere", target_is_directory=True)
     _contained(capsys, ["examples", str(dest), "--overwrite"])
     assert list((tmp_path / "elsewhere").iterdir()) == []
+
+
+# ----------------------------------------------------------------------------- bad inputs: one line, exit 2, nothing written
+
+
+def _noenv_config(tmp_path: Path) -> Path:
+    config = tmp_path / "noenv.toml"
+    config.write_text((ROOT / "examples" / "smoke.toml").read_text().replace('[env]\nname = "arithmetic"\nkwargs = { difficulty = 0 }\n', ""))
+    return config
+
+
+def _fifo(tmp_path: Path) -> Path:
+    path = tmp_path / "rows.fifo"
+    os.mkfifo(path)
+    return path
+
+
+def _exiting_module(tmp_path: Path, monkeypatch) -> str:
+    (tmp_path / "exits_on_import.py").write_text("import sys\nsys.exit(3)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "exits_on_import:make_env"
+
+
+BAD_INPUTS = {
+    "empty --out": (lambda t, m: ["train", SMOKE, "--out", ""], "--out ''"),
+    "empty export --out": (lambda t, m: ["export", str(t), "--out", " "], "--out ''"),
+    "train.seed beyond 64 bits": (lambda t, m: ["train", SMOKE, "--out", str(t / "run"), "--set", "train.seed=100000000000000000000"], "train.seed"),
+    "negative train.seed": (lambda t, m: ["train", SMOKE, "--out", str(t / "run"), "--set", "train.seed=-1"], "train.seed"),
+    "model.tiny.seed beyond 64 bits": (lambda t, m: ["train", SMOKE, "--out", str(t / "run"), "--set", "model.tiny.seed=18446744073709551616"], "model.tiny.seed"),
+    "a FIFO as data.path": (lambda t, m: ["train", str(_noenv_config(t)), "--out", str(t / "run"), "--set", "data.source='jsonl'",
+                                         "--set", f"data.path='{_fifo(t)}'", "--set", "data.prompt_key='prompt'"], "not a regular file"),
+    "a module that calls sys.exit": (lambda t, m: ["train", SMOKE, "--out", str(t / "run"), "--set", f"env.name='{_exiting_module(t, m)}'"], "sys.exit(3)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, capsys, monkeypatch, case):
+    argv_of, says = BAD_INPUTS[case]
+    work = tmp_path / "cwd"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    argv = argv_of(tmp_path, monkeypatch)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: ") and says in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before and list(work.iterdir()) == []
