@@ -17,7 +17,7 @@ SPEC = "recursa.envs.gym_env:GymTextEnv"
 
 
 def test_frozen_lake_is_played_by_name_and_won():
-    env = make_env(SPEC, id="FrozenLake-v1", is_slippery=False, max_steps=10)
+    env = make_env("gym:FrozenLake-v1", is_slippery=False, max_steps=10)
     obs = env.reset(0)
     assert env.name == "gym:FrozenLake-v1" and env.admissible_actions() == ["left", "down", "right", "up"]
     assert "SFFF" in obs and "\x1b" not in obs and "row 0, column 0" in obs and "goal G" in env.task
@@ -58,7 +58,7 @@ def test_grpo_trains_two_steps_on_a_gymnasium_env(tmp_path, episode):
     from recursa.recipes.grpo import train
 
     cfg = load_config(None, [
-        f"model.name=tiny-random", f"env.name={SPEC}", "env.kwargs.id=FrozenLake-v1", "env.kwargs.is_slippery=false", "env.kwargs.max_steps=3",
+        "model.name=tiny-random", "env.name=gym:FrozenLake-v1", "env.kwargs.is_slippery=false", "env.kwargs.max_steps=3",
         f"agent.episode={episode}", "sampling.max_new_tokens=5", "train.steps=2", "train.prompts_per_step=2", "train.group_size=2", "eval.n=2",
     ])
     run = train(cfg, tmp_path / episode, log=lambda *_: None)
@@ -66,3 +66,9 @@ def test_grpo_trains_two_steps_on_a_gymnasium_env(tmp_path, episode):
     train_rows = [r for r in rows if "reward/mean" in r]
     assert len(train_rows) == 2 and train_rows[0]["batch/rows"] == 2 * 2 * 3
     assert json.loads((run / "eval" / "after.json").read_text())["n"] == 2
+
+
+def test_the_family_is_listed():
+    from recursa.envs import list_envs
+
+    assert any(name == "gym:<id>" and "not installed" not in text for name, text in list_envs())

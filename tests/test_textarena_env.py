@@ -35,7 +35,7 @@ def _bisect(env, seed):
 
 
 def test_guess_the_number_is_won_by_bisection_and_the_seed_fixes_the_number():
-    env = make_env(SPEC, game="GuessTheNumber-v0", max_steps=10)
+    env = make_env("ta:GuessTheNumber-v0", max_steps=10)
     assert env.name == "ta:GuessTheNumber-v0" and env.admissible_actions() is None
     result, guesses = _bisect(env, 3)
     assert result.info["won"] and result.reward > 0 and len(guesses) <= 5
@@ -71,7 +71,7 @@ def test_grpo_trains_two_steps_on_a_textarena_game(tmp_path, episode):
     from recursa.recipes.grpo import train
 
     cfg = load_config(None, [
-        "model.name=tiny-random", f"env.name={SPEC}", "env.kwargs.game=GuessTheNumber-v0", "env.kwargs.max_steps=3",
+        "model.name=tiny-random", "env.name=ta:GuessTheNumber-v0", "env.kwargs.max_steps=3",
         f"agent.episode={episode}", "sampling.max_new_tokens=5", "train.steps=2", "train.prompts_per_step=2", "train.group_size=2", "eval.n=2",
     ])
     run = train(cfg, tmp_path / episode, log=lambda *_: None)
@@ -79,3 +79,9 @@ def test_grpo_trains_two_steps_on_a_textarena_game(tmp_path, episode):
     train_rows = [r for r in rows if "reward/mean" in r]
     assert len(train_rows) == 2 and train_rows[0]["batch/rows"] == 2 * 2 * train_rows[0]["episode/turns_mean"]  # one row per move
     assert json.loads((run / "eval" / "after.json").read_text())["n"] == 2
+
+
+def test_the_family_is_listed():
+    from recursa.envs import list_envs
+
+    assert any(name == "ta:<game>" and "not installed" not in text for name, text in list_envs())
