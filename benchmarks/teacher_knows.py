@@ -449,13 +449,17 @@ def _f(x, spec="+.3f"):
 
 
 def table(results: Path = RESULTS) -> str:
-    """Every committed run under `results` as one markdown table (one row per context)."""
+    """Every committed run under `results` as one markdown table (one row per context), then
+    each run's command and total wall time, and its `note` where the JSON has one."""
+    runs = []
     rows = [("| testbed | model | items x G | correct | items all-fail | context | items | gain, nats/token [95% CI] | passes | "
              "failed attempts at divergence: teacher / student rank ref first (n) | corr(Delta, A) [95% CI] (groups) | centred | "
              "trust applied / final (agree / trials) | wall s |"),
             "|---|---|---|---:|---:|---|---:|---|---|---|---|---|---|---:|"]
     for path in sorted(results.glob("*.json")):
         r = json.loads(path.read_text())
+        runs.append(f"- `{r['testbed']}`: `{r['command']}` ({r['wall_s']['total']} s; {r.get('threads', 2)} threads)"
+                    + (f". Note: {r['note']}" if r.get("note") else ""))
         all_fail = sum(1 for it in r["items_detail"] if it["correct"] == 0)
         for name, e in r["contexts"].items():
             c, cc, t = e["corr"], e["corr_centred"], e["trust"]["none"]
@@ -466,7 +470,11 @@ def table(results: Path = RESULTS) -> str:
                 f"| {_f(e['teacher_ranks_ref'], '.2f')} / {_f(e['student_ranks_ref'], '.2f')} ({e['divergent_failed']}) "
                 f"| {_f(c['r'], '+.2f')}{ci} ({c['groups']}) | {_f(cc['r'], '+.2f')} "
                 f"| {_f(t['applied_mean'], '.2f')} / {_f(t['final'], '.2f')} ({t['agreements']} / {t['trials']}) | {r['wall_s'][name]} |")
-    return "\n".join(rows) + "\n"
+    head = ["# Does the teacher know better? The entry probe of single-turn testbeds", "",
+            "Written by `python benchmarks/teacher_knows.py --table` from `benchmarks/results/teacher_knows/*.json`; the metrics "
+            "are defined in the script's docstring. gain: mean over items of the per-token log-prob gain of the reference reply, "
+            "teacher (policy + context) minus student (bare policy); a context passes when its 95% interval is above 0.", ""]
+    return "\n".join(head + rows + ["", "Runs:", "", *runs]) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
