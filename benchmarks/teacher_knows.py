@@ -488,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--warm-start", default=None, help="an SFT run whose last checkpoint is probed (default: the base model)")
-    p.add_argument("--threads", type=int, default=2, help="torch CPU threads (1 is faster on a busy 2-core machine)")
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     p.add_argument("--tiny", action="store_true", help="the tiny random model (checks the script)")
     p.add_argument("--out", default=None, help="the run's JSON (default: benchmarks/results/teacher_knows/<task>.json)")
     p.add_argument("--table", action="store_true", help="render the JSONs under --results to markdown and exit")
