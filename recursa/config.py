@@ -78,6 +78,17 @@ class TinyModelConfig(_Section):
     max_positions: int = Field(2048, gt=0, description="maximum sequence length")
     seed: int = Field(0, ge=0, le=2**32 - 1, description="seed of the random initial weights (0 .. 2^32 - 1)")
 
+    @model_validator(mode="after")
+    def _check_shapes(self) -> "TinyModelConfig":
+        heads, kv, width = self.num_heads, self.num_kv_heads, self.hidden_size
+        if width % heads:
+            raise ValueError(f"model.tiny.hidden_size = {width} is not a multiple of model.tiny.num_heads = {heads}: each head needs hidden_size / num_heads dimensions")
+        if heads % kv:
+            raise ValueError(f"model.tiny.num_heads = {heads} is not a multiple of model.tiny.num_kv_heads = {kv}: grouped-query attention shares each key/value head among whole groups")
+        if (width // heads) % 2:
+            raise ValueError(f"model.tiny.hidden_size / num_heads = {width // heads} is odd: rotary position embeddings need an even head dimension")
+        return self
+
 
 class LoraSettings(_Section):
     """LoRA adapters through peft; the reference policy is the base with adapters off."""

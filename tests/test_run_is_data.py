@@ -448,3 +448,29 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, capsys, monke
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("error: ") and says in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == before and list(work.iterdir()) == []
+
+
+def _non_utf8(tmp_path: Path) -> Path:
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b'{"prompt": "Row 0", "answer": "1"}\n{"prompt": "caf\xe9", "answer": "2"}\n')
+    return path
+
+
+MORE_BAD_INPUTS = {
+    "tiny hidden_size not divisible by num_heads": (["--set", "model.tiny.num_heads=3"], "not a multiple of model.tiny.num_heads"),
+    "tiny num_heads not divisible by num_kv_heads": (["--set", "model.tiny.num_heads=4", "--set", "model.tiny.num_kv_heads=3"], "num_kv_heads = 3"),
+    "tiny odd head dimension": (["--set", "model.tiny.hidden_size=36", "--set", "model.tiny.num_heads=4", "--set", "model.tiny.num_kv_heads=2"], "is odd"),
+    "a non-UTF-8 data file": (["--set", "data.source='jsonl'", "--set", "data.path='NONUTF8'", "--set", "data.prompt_key='prompt'"], ":2: not UTF-8 text (byte 0xe9)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MORE_BAD_INPUTS))
+def test_more_bad_inputs_are_one_line_exit_2_and_write_nothing(tmp_path, capsys, case):
+    sets, says = MORE_BAD_INPUTS[case]
+    data = any("data." in s for s in sets)
+    config = _noenv_config(tmp_path) if data else Path(SMOKE)
+    sets = [s.replace("NONUTF8", str(_non_utf8(tmp_path))) for s in sets]
+    assert main(["train", str(config), "--out", str(tmp_path / "run"), *sets]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and says in err, err
+    assert not (tmp_path / "run").exists()

@@ -74,8 +74,12 @@ def split_by_hash(prompt: str, gate_frac: float, test_frac: float) -> str:
 
 def _read_jsonl(p: Path) -> list[tuple[dict, str | None]]:
     rows = []
-    with p.open() as f:
-        for lineno, line in enumerate(f, 1):
+    with p.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:  # decoded line by line, so a byte that is not UTF-8 is named with its line
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise UserError(f"{p}:{lineno}: not UTF-8 text (byte 0x{raw[exc.start]:02x}): save the data file as UTF-8") from None
             if not line.strip():
                 continue
             try:
