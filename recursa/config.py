@@ -591,8 +591,9 @@ class LearnerConfig(_Section):
     starts (recursa/distributed/ddp.py): rank 0 runs the recipe and writes the run, every
     rank runs a slice of each update's rows, and rank 0 steps on the summed gradient."""
 
-    backend: Literal["auto", "single", "ddp"] = Field(
-        "auto", description="auto: 'ddp' when launched with WORLD_SIZE > 1 (torchrun --nproc_per_node N -m recursa.cli train ...), else 'single'",
+    backend: Literal["auto", "single", "ddp", "fsdp"] = Field(
+        "auto", description="auto: 'ddp' when launched with WORLD_SIZE > 1 (torchrun --nproc_per_node N -m recursa.cli train ...), else 'single'; "
+        "'fsdp': the same row split on FSDP2, gradients and AdamW state sharded across the processes (recursa/distributed/fsdp.py)",
     )
     dist_backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="torch.distributed backend: auto = nccl for GPUs, gloo for CPU processes")
     timeout_minutes: int = Field(

@@ -88,6 +88,10 @@ class SingleProcess:
     def announce(self, kind: str, **payload) -> None:
         pass
 
+    def model(self, policy) -> torch.nn.Module:
+        """The module the update's forwards run on: the policy's causal LM."""
+        return policy.causal_lm
+
     def share_weights(self, policy) -> None:
         pass
 
@@ -162,6 +166,11 @@ class DataParallel:
         _ACTIVE = None
 
     # ---- the update's collectives ---------------------------------------------------
+    def model(self, policy) -> torch.nn.Module:
+        """The module the update's forwards run on: every rank's copy of the causal LM
+        (the FSDP2 learner, `recursa.distributed.fsdp`, answers its sharded training copy)."""
+        return policy.causal_lm
+
     def share_weights(self, policy) -> None:
         """Every rank gets rank 0's current weights: after a hello every tensor of the model
         (frozen base, buffers) and of the KL reference, afterwards the trainable parameters."""
@@ -234,14 +243,14 @@ def setup(cfg) -> DataParallel | None:
 
     lc = cfg.learner
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    backend = lc.backend if lc.backend != "auto" else ("ddp" if world > 1 else "single")
+    backend = lc.backend if lc.backend != "auto" else ("ddp" if world > 1 else "single")  # 'fsdp': recursa.distributed.fsdp
     if backend == "single":
         if world > 1:
             raise UserError(f"learner.backend = 'single' but WORLD_SIZE = {world}: every process would train its own copy into the same run; "
                             "set learner.backend = 'ddp' (or 'auto'), or launch one process")
         return None
     if world < 2:
-        raise UserError("learner.backend = 'ddp' needs several processes: launch with "
+        raise UserError(f"learner.backend = {backend!r} needs several processes: launch with "
                         "`torchrun --nproc_per_node N -m recursa.cli train CONFIG`, or set learner.backend = 'auto'")
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
@@ -257,7 +266,12 @@ def setup(cfg) -> DataParallel | None:
         raise UserError("learner.dist_backend = 'nccl' needs the model on a GPU: use 'gloo' (or 'auto') for CPU processes")
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group(dist_backend, timeout=timedelta(minutes=lc.timeout_minutes))
-    _ACTIVE = DataParallel(rank, world, device)
+    if backend == "fsdp":
+        from recursa.distributed.fsdp import FullyShardedDataParallel
+
+        _ACTIVE = FullyShardedDataParallel(rank, world, device)
+    else:
+        _ACTIVE = DataParallel(rank, world, device)
     return _ACTIVE
 
 

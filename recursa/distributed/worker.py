@@ -38,6 +38,8 @@ def serve(learner: DataParallel, log: Callable[[str], None] = print) -> None:
                 diff = next((a, b) for a, b in zip(mine + [None], payload["tensors"] + [None]) if a != b)
                 raise UserError(f"rank {learner.rank} built a different model from rank 0's (first difference: {diff}): same config, same recursa on every node?")
             optimizer = make_optimizer([p for p in policy.model.parameters() if p.requires_grad], cfg)
+            if hasattr(learner, "prepare"):  # the FSDP2 learner shards its training copy (recursa.distributed.fsdp)
+                learner.prepare(cfg, policy)
             log(f"rank {learner.rank}/{learner.world_size}: learner worker for {cfg.model.name} on {policy.device}")
             continue
         if policy is None:

@@ -370,7 +370,7 @@ def supervised_step(policy: Policy, optimizer: torch.optim.Optimizer, batch: Tra
         raise ValueError("a supervised batch needs at least one target token")
     learner.announce("supervised", batch=batch, opt_step=opt_step)
     learner.share_weights(policy)
-    model = policy.causal_lm
+    model = learner.model(policy)  # issue 47: the FSDP2 learner runs the forwards on its sharded copy
     model.train()
     for g in optimizer.param_groups:
         g["lr"] = lr_at(cfg, opt_step)

@@ -158,7 +158,7 @@ def update(
     learner.announce("update", batch=batch, generator=generator.get_state(), opt_step=opt_step, imitation=imitation, outcomes=outcomes,
                      distillation=distillation)
     learner.share_weights(policy)  # workers start from rank 0's weights (a rollback or resume included)
-    model = policy.causal_lm
+    model = learner.model(policy)  # issue 47: the FSDP2 learner runs the forwards on its sharded copy
     temperature = cfg.sampling.temperature
     n = len(batch)
     single_update = tc.epochs == 1 and tc.mini_batches == 1
@@ -334,7 +334,7 @@ def _sequence_weights(policy: Policy, batch: TrainBatch, cfg: GRPOConfig, outcom
     or the reference (A*-PO). Before the first optimizer step of an update with recomputed old
     log-probs, the current policy is the old one; otherwise one scoring pass gives it."""
     tc, ac = cfg.train, cfg.algo
-    model = policy.causal_lm
+    model = learner.model(policy)  # issue 47: the FSDP2 learner runs the forwards on its sharded copy
     if opt_steps == 0 and tc.old_logprobs == "recompute":
         current = logp_old_all
     else:
