@@ -24,8 +24,11 @@
 # ~1 min each, benchmark ~2-3 min; vLLM steps ~1-2 min each (engine start ~30 s each, eager mode).
 # The whole check may not fit one 10-minute call with the vLLM steps: `gpu_check.sh vllm` is the way
 # to run them alone.
+# Issue 47's checks (bf16 autocast, activation checkpointing, the FSDP2 learner over NCCL on 2 GPUs), none of which
+# has run on a GPU: `bash benchmarks/gpu_check.sh scale [OUT_DIR]` runs benchmarks/gpu_check_scale.sh.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+if [ "${1:-}" = "scale" ]; then exec bash benchmarks/gpu_check_scale.sh "${@:2}"; fi
 STAGE=/tmp/recursa_gpu
 mkdir -p "$STAGE"
 
