@@ -17,7 +17,8 @@ The hooks, in the order a step calls them (each default does nothing):
     rows(s, played, room)          extra training rows after the policy's own (skill writing,
                                    hinted re-rolls, stored wins): an `Extra` (rows, the episodes
                                    sampled for them, metrics), or None; `s` is the step's
-                                   `StepInputs`, `room` the episodes train.max_episodes leaves
+                                   `StepInputs`, `room` the episodes train.max_episodes leaves;
+                                   unless a method shapes the batch, extra rows have advantage 0
     shape(s, batch, played)        the collated batch (the policy's rows, then every method's
                                    extra rows in order): set `batch.advantages` per token and
                                    return a `Shaping` (imitation / distillation terms, metrics),

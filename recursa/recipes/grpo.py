@@ -473,6 +473,7 @@ class Played:
     reward_metrics: dict = dataclasses.field(default_factory=dict)
     branches: object | None = None  # branching.Branches when rollout.branch is on
     failures: list = dataclasses.field(default_factory=list)  # (context, reply) of the failed root sequences, what prompt proposals read
+    parts: dict = dataclasses.field(default_factory=dict)  # what a method made of the step for the later ones (methods.base)
 
     @property
     def wins(self) -> list[list[bool]]:

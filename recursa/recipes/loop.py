@@ -134,7 +134,7 @@ def train_loop(recipe: Recipe, cfg, out: Path, resume: bool = False, progress: P
         rows = played.trajs + [r for _, x in parts for r in x.rows]
         t.rows_done = time.perf_counter()
         # 4. the batch, shaped by a method (token advantages, imitation and distillation terms)
-        advantages = played.row_advantages if len(rows) == len(played.trajs) else torch.cat([played.row_advantages, torch.zeros(len(rows) - len(played.trajs))])
+        advantages = played.row_advantages if len(rows) == len(played.trajs) else torch.cat([played.row_advantages, torch.zeros(len(rows) - len(played.trajs), device="cpu")])  # host, as the outcome advantages
         batch = collate(rows, advantages, policy.tokenizer.pad_token_id, policy.device)
         shaping = methods.shape(s, batch, played)
         t.shaped = time.perf_counter()
