@@ -474,3 +474,53 @@ def test_more_bad_inputs_are_one_line_exit_2_and_write_nothing(tmp_path, capsys,
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and says in err, err
     assert not (tmp_path / "run").exists()
+
+
+BROKEN_ENVS = '''
+class NumberReset:
+    name = "number_reset"
+    def reset(self, seed):
+        return 5
+    def step(self, action_text):
+        raise AssertionError("never reached")
+
+
+class AlwaysRaises:
+    name = "always_raises"
+    def reset(self, seed):
+        return "What is 1 + 1?"
+    def step(self, action_text):
+        raise RuntimeError("boom")
+'''
+
+
+@pytest.mark.parametrize("factory, says", [("NumberReset", "returned a int, not the first observation"),
+                                           ("AlwaysRaises", "step failed on each of its first 8 calls")])
+def test_a_broken_env_stops_the_run_in_one_line(tmp_path, capsys, monkeypatch, factory, says):
+    """An env whose reset returns a non-string, or whose step always raises, is a bug of the env:
+    before, the first was an internal error and the second a 'successful' run of failed episodes."""
+    (tmp_path / "broken_envs_49.py").write_text(BROKEN_ENVS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["train", SMOKE, "--out", str(tmp_path / "run"), "--set", f"env.name='broken_envs_49:{factory}'", "--set", "env.kwargs={}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and says in err, err
+
+
+def test_an_env_that_fails_now_and_then_still_trains(tmp_path, capsys, monkeypatch):
+    """Only a game that never once steps is refused: one crash in a few is restarted as before."""
+    (tmp_path / "flaky_env_49.py").write_text('''
+from recursa.envs.arithmetic import ArithmeticEnv
+
+
+class Flaky(ArithmeticEnv):
+    calls = 0
+
+    def step(self, action_text):
+        Flaky.calls += 1
+        if Flaky.calls % 3 == 1:
+            raise RuntimeError("flaky")
+        return super().step(action_text)
+''')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["train", SMOKE, "--out", str(tmp_path / "run"), "--set", "env.name='flaky_env_49:Flaky'", "--set", "train.steps=1", "--set", "eval.n=4"]) == 0
+    assert any(r.get("env/restarts", 0) > 0 for r in _metrics(tmp_path / "run"))

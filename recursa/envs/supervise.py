@@ -78,6 +78,9 @@ def _call(fn: Callable, args: tuple, timeout: float | None) -> Any:
     return box["value"]
 
 
+NEVER_STEPPED = 8  # a pool whose first this many steps all failed, none returning, has a broken env: stop, do not train on it
+
+
 class SupervisedEnv:
     """One env instance of a pool, restarted when its game crashes or hangs (see the module
     doc). Every other attribute (name, task, max_steps, admissible_actions, walkthrough,
@@ -123,11 +126,16 @@ class SupervisedEnv:
         object.__setattr__(self, "_steps", 0)
         for attempt in range(2):
             try:
-                return _call(self._env.reset, (seed,), self._sup.step_timeout)
+                obs = _call(self._env.reset, (seed,), self._sup.step_timeout)
             except GameFailure as failure:
                 self._restart(failure)
                 if attempt == 1:
                     raise UserError(f"the game failed twice in a row on reset({seed}) ({failure}): the env cannot start this item; check the env") from None
+                continue
+            if not isinstance(obs, str):  # a bug of the env, not a crash of one game: no restart hides it (issue 49)
+                raise UserError(f"env {getattr(self._env, 'name', type(self._env).__name__)!r}: reset({seed}) returned a {type(obs).__name__}, "
+                                "not the first observation as a string: fix the env's reset")
+            return obs
         raise AssertionError("unreachable")
 
     def step(self, action_text: str):
@@ -135,12 +143,18 @@ class SupervisedEnv:
 
         object.__setattr__(self, "_steps", self._steps + 1)
         try:
-            return _call(self._env.step, (action_text,), self._sup.step_timeout)
+            result = _call(self._env.step, (action_text,), self._sup.step_timeout)
         except GameFailure as failure:
+            pool = self._pool
+            if not getattr(pool, "steps_ok", 0) and pool.restarts + 1 >= NEVER_STEPPED:
+                raise UserError(f"env {getattr(self._env, 'name', type(self._env).__name__)!r}: step failed on each of its first {pool.restarts + 1} calls "
+                                f"and never once returned (last: {failure}): the env is broken; fix its step") from None
             self._restart(failure)
             info = {"success": False, "won": False, "invalid": False, "admissible": None, "steps": self._steps, "score": 0.0,
                     "answer": "", "parsed": None, "note": f"game {failure.kind}", "failure": failure.kind, "failure_detail": failure.detail}
             return StepResult(f"(the game {failure.kind} and was restarted; this episode counts as failed)", 0.0, True, info)
+        self._pool.steps_ok = getattr(self._pool, "steps_ok", 0) + 1
+        return result
 
     def close(self) -> None:
         close = getattr(self._env, "close", None)
