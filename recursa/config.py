@@ -815,7 +815,15 @@ class InitConfig(_Section):
     """Where the weights start: the model's own, or a finished run's (a warm start)."""
 
     from_run: str | None = Field(None, description="start from this run directory's weights (e.g. an SFT run), instead of the model's")
-    checkpoint: str = Field("last", description="which checkpoint of from_run: 'last' or a step number")
+    checkpoint: str = Field("last", description="which checkpoint of from_run: 'last' or a step number (a TOML integer or a string)")
+
+    @field_validator("checkpoint", mode="before")
+    @classmethod
+    def _step_number(cls, value):
+        """init.checkpoint = 5 written as a TOML integer names step 5, as "5" does (issue 49)."""
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return str(value)
+        return value
 
     @model_validator(mode="after")
     def _check(self) -> "InitConfig":

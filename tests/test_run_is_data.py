@@ -524,3 +524,11 @@ class Flaky(ArithmeticEnv):
     monkeypatch.syspath_prepend(str(tmp_path))
     assert main(["train", SMOKE, "--out", str(tmp_path / "run"), "--set", "env.name='flaky_env_49:Flaky'", "--set", "train.steps=1", "--set", "eval.n=4"]) == 0
     assert any(r.get("env/restarts", 0) > 0 for r in _metrics(tmp_path / "run"))
+
+
+def test_init_checkpoint_may_be_a_toml_integer(tmp_path):
+    as_int = load_config(None, ["init.checkpoint=5"], check=False)
+    assert as_int.init.checkpoint == "5" and as_int == load_config(None, ["init.checkpoint='5'"], check=False)
+    _roundtrip(as_int, tmp_path)
+    with pytest.raises(Exception, match="init.checkpoint"):
+        load_config(None, ["init.checkpoint=-1"], check=False)
