@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from recursa.config import load_config
 from recursa.errors import UserError
@@ -111,3 +112,51 @@ def test_a_reward_function_registered_by_name_scores_the_run(tmp_path, monkeypat
     path.write_text('[[reward]]\nfunc = "no_such_reward"\n')
     with pytest.raises(UserError, match=r"reward.0.func: .*must be 'env', 'package.module:function' or a registered reward function's name"):
         load_config(path, TINY)
+
+
+def test_a_method_adds_rows_and_shapes_the_batch_of_a_grpo_run(tmp_path, monkeypatch):
+    """The hooks RSIPO's methods use, from a user method in a GRPO run: `rows` appends rows after
+    the policy's own (their episodes count in episodes/sampled and budget/episodes), `shape`
+    sets the whole batch's token advantages before the update sees it."""
+    from recursa.methods import Method
+    from recursa.methods.base import Extra, Shaping
+
+    seen = []
+
+    class Copies(Method):
+        def rows(self, s, played, room):
+            played.parts["copies"] = played.trajs[:2]
+            return Extra(played.trajs[:2], episodes=3, metrics={"copies/rows": 2.0})
+
+        def shape(self, s, batch, played):
+            n = len(played.trajs)
+            assert len(batch) == n + 2 and batch.advantages.shape == (n + 2,)
+            assert batch.advantages[n:].abs().sum() == 0  # extra rows start at advantage 0
+            batch.advantages = batch.action_mask * 0.5  # (N, L) per token
+            seen.append(batch)
+            return Shaping(metrics={"copies/shaped": 1.0})
+
+    monkeypatch.setattr(METHODS, "_registered", dict(METHODS._registered))
+    METHODS.register("copies", Copies)
+    real, updates = grpo.update, []
+    monkeypatch.setattr(grpo, "update", lambda policy, opt, batch, *a, **k: updates.append(batch.advantages.clone()) or real(policy, opt, batch, *a, **k))
+    cfg = load_config(None, [*TINY, "methods.copies={}"])
+    run = grpo.train(cfg, tmp_path / "run", log=lambda *_: None)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if "reward/mean" in line]
+    B, G = cfg.train.prompts_per_step, cfg.train.group_size
+    assert [r["episodes/sampled"] for r in rows] == [B * G + 3] * 2 and [r["budget/episodes"] for r in rows] == [B * G + 3, 2 * (B * G + 3)]
+    assert all(r["copies/rows"] == 2.0 and r["copies/shaped"] == 1.0 for r in rows)
+    assert len(updates) == 2 and all(torch.equal(u, b.action_mask * 0.5) for u, b in zip(updates, seen))
+
+
+def test_two_methods_cannot_both_shape_a_batch():
+    from recursa.methods.base import Method, Methods, RunContext, Shaping
+
+    class Shaper(Method):
+        def shape(self, s, batch, played):
+            return Shaping()
+
+    ctx = RunContext(None, None, None, None, None, print)
+    assert isinstance(Methods([Shaper(ctx)]).shape(None, None, None), Shaping)
+    with pytest.raises(ValueError, match="2 methods shape the batch's advantages; a batch takes one"):
+        Methods([Shaper(ctx), Shaper(ctx)]).shape(None, None, None)
