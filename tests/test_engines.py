@@ -19,7 +19,7 @@ from recursa.errors import UserError
 from recursa.evaluate import evaluate
 from recursa.generation import SamplingParams, generate
 from recursa.models import load_policy
-from recursa.recipes import grpo, rft, rsipo, sft
+from recursa.recipes import grpo, loop, rft, rsipo, sft
 from recursa.rollout import rollout, rollout_episodes
 
 DIGITS = ["model.name=tiny-random", "env.name=toy-digits", "sampling.max_new_tokens=8", "train.prompts_per_step=4",
@@ -173,7 +173,7 @@ class PublishCheckingEngine(NativeEngine):
 @pytest.fixture
 def checking_engine(monkeypatch):
     PublishCheckingEngine.made.clear()
-    for module in (grpo, rsipo, rft, sft):
+    for module in (loop, rft, sft):  # loop: the step loop GRPO and RSIPO share opens their engine
         monkeypatch.setattr(module, "make_engine", lambda cfg_rollout, policy: PublishCheckingEngine(policy))
     return PublishCheckingEngine.made
 
