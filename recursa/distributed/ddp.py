@@ -266,16 +266,22 @@ def setup(cfg) -> DataParallel | None:
         raise UserError("learner.dist_backend = 'nccl' needs the model on a GPU: use 'gloo' (or 'auto') for CPU processes")
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group(dist_backend, timeout=timedelta(minutes=lc.timeout_minutes))
-    if backend == "fsdp":
-        from recursa.distributed.fsdp import FullyShardedDataParallel
-
-        _ACTIVE = FullyShardedDataParallel(rank, world, device)
-    else:
-        _ACTIVE = DataParallel(rank, world, device)
+    _ACTIVE = _learner_class(backend)(rank, world, device)
     return _ACTIVE
 
 
 # ------------------------------------------------------------------------------ helpers
+
+# learner.backend -> the learner class, as an import path: the FSDP2 learner builds on this module
+LEARNERS = {"ddp": "recursa.distributed.ddp:DataParallel", "fsdp": "recursa.distributed.fsdp:FullyShardedDataParallel"}
+
+
+def _learner_class(backend: str) -> type:
+    import importlib
+
+    module, name = LEARNERS[backend].split(":")
+    return getattr(importlib.import_module(module), name)
+
 
 
 def _signature(policy) -> list[tuple[str, tuple[int, ...], str]]:
