@@ -995,6 +995,9 @@ class GRPOConfig(RecipeBase):
         if self.sampling.temperature == 0:
             raise ValueError("sampling.temperature must be > 0 for training (greedy rollouts give no exploration)")
         _check_test_looks(self, self.train.steps)
+        if self.agent.episode == "chat" and self.curriculum.tail.enabled:
+            raise ValueError("curriculum.tail trains its hinted turns under prompts rebuilt in turn mode, which chat episodes never show: "
+                             "set agent.episode = 'turn', or curriculum.tail.enabled = false (docs/chat.md)")
         if self.rollout.tis_cap is not None and self.train.old_logprobs == "sampling":
             raise ValueError(
                 "rollout.tis_cap corrects the gap between the engine's and the trainer's log-probs, but train.old_logprobs = 'sampling' "
@@ -1265,6 +1268,9 @@ class RSIPOConfig(RecipeBase):
 
     @model_validator(mode="after")
     def _check(self) -> "RSIPOConfig":
+        if self.agent.episode == "chat":
+            raise ValueError("agent.episode = 'chat' is not supported by the rsipo recipe: its teacher, skills and hinted re-rolls rebuild "
+                             "turn-mode prompts, so they would score tokens the chat episode never saw; use recipe = 'grpo', or agent.episode = 'turn' (docs/chat.md)")
         if self.algo.objective != "ppo" or self.algo.igrpo:
             key = "algo.igrpo = true" if self.algo.igrpo else f"algo.objective = {self.algo.objective!r}"
             raise ValueError(f"{key} is an option of the grpo recipe; RSIPO's update is PPO-clip: use recipe = 'grpo', or leave the key at its default")

@@ -389,3 +389,23 @@ def test_a_tool_using_chat_episode_trains_on_the_tiny_model(fresh_tiny_policy):
     update(policy, optimizer, batch, cfg, torch.Generator().manual_seed(0), 0)
     after = [sum(logps(t.prompt_ids, t.action_ids)) for t in (won.turns[1], lost.turns[1])]
     assert after[0] > before[0] and after[1] < before[1]
+
+
+@pytest.mark.parametrize("sets, message", [
+    (["recipe=rsipo"], "not supported by the rsipo recipe"),
+    (["curriculum.tail.enabled=true", "env.name=household"], "curriculum.tail trains its hinted turns"),
+])
+def test_chat_episodes_refuse_the_methods_that_rebuild_turn_prompts(sets, message, tmp_path, capsys):
+    """RSIPO's teacher, skills and hinted re-rolls, and the curriculum's tail rows, rebuild turn-mode
+    prompts: with chat episodes they would train or score tokens the episode never showed."""
+    from pathlib import Path
+
+    from recursa.cli import main
+
+    args = ["train", str(Path(__file__).resolve().parents[1] / "examples" / "smoke.toml"), "--out", str(tmp_path / "run")]
+    for s in ["agent.episode=chat", *sets]:
+        args += ["--set", s]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
+    assert not (tmp_path / "run").exists()
