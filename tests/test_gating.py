@@ -167,6 +167,30 @@ def test_prompt_round_selects_gates_and_adopts(tmp_path, monkeypatch):
     assert resumed.agent.instruction == good  # a resumed run restores the admitted prompt
 
 
+def test_grpo_single_turn_plays_the_admitted_system_prompt_from_the_next_step(tmp_path, monkeypatch):
+    """On a single-turn task the prompt gate admits a system prompt; GRPO's next step samples
+    under it (it once kept the run's first prompt for training and showed the admitted one only
+    to evaluations), and a resumed run plays it too."""
+    good = "Reply with go east, exactly as written."
+    _fake_scores(monkeypatch, good)
+    seen: list[str | None] = []
+    real = grpo.play_replies
+
+    def play_replies(rollouts, seeds, cfg, sampling, gen, system_prompt, *args, **kwargs):
+        seen.append(system_prompt)
+        return real(rollouts, seeds, cfg, sampling, gen, system_prompt, *args, **kwargs)
+
+    monkeypatch.setattr(grpo, "play_replies", play_replies)
+    base = ["model.name=tiny-random", "env.name=toy-digits", "sampling.max_new_tokens=4", "train.prompts_per_step=2", "train.group_size=2",
+            "eval.n=0", "gate.mode=gate", "gate.every=100", "gate.n=16", "gate.prompt_every=1", "gate.prompt_select_n=4", "run.checkpoint_every=1"]
+    cfg = load_config(None, base + ["train.steps=2"])
+    run = grpo.train(cfg, tmp_path / "single", log=lambda *_: None)
+    assert seen == ["You are a helpful assistant.", good] and cfg.model.system_prompt == good
+    resumed = load_config(None, base + ["train.steps=3"])
+    grpo.train(resumed, run, resume=True, log=lambda *_: None)
+    assert seen[-1] == good
+
+
 def test_prompt_round_in_log_mode_never_adopts(tmp_path, monkeypatch):
     good = "Reply with go east, exactly as written."
     _fake_scores(monkeypatch, good)
