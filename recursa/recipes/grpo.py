@@ -632,7 +632,6 @@ GRPO = Recipe(
         f"step {done}/{cfg.train.steps}  reward {m['reward/mean']:.3f}  len {m['completion/len_mean']:.1f}  "
         f"clip {st.clip_frac:.3f}  rollout {played.sampled_at - t.start:.1f}s  update {t.end - played.sampled_at:.1f}s"),
     system_prompt=lambda cfg, pool: cfg.model.system_prompt or None,
-    refresh_system=True,  # a system prompt the prompt gate admits is the one rollouts use from the next step on
     state=grpo_state,
     update=lambda *a, **k: update(*a, **k),  # looked up at each step, so a patched grpo.update is the one called
 )

@@ -82,8 +82,7 @@ class Recipe:
     play: Callable  # (ctx: RunContext, s: StepInputs) -> the step's Played (rows as .trajs, .row_advantages; .episodes sampled)
     metrics: Callable  # (played, stats, n_batch, cfg, opt_step, times: StepTimes) -> the step's own metrics
     summary: Callable  # (cfg, done, metrics, stats, played, times, methods) -> the step's log line
-    system_prompt: Callable[[Any, Any], str | None]  # (cfg, pool) -> the system prompt rollouts use
-    refresh_system: bool = False  # re-read system_prompt after every step (an admitted prompt is played from the next step on)
+    system_prompt: Callable[[Any, Any], str | None]  # (cfg, pool) -> the system prompt rollouts use, re-read after every step
     state: Callable[[Any, Any, int], dict] = lambda cfg, reward_set, episodes: {}  # the recipe's own checkpoint state
     initial_state: Callable[[Any], dict] = lambda methods: {}  # the state of a train.steps = 0 run's step-0 checkpoint
     update: Callable | None = None  # grpo.update (a recipe may wrap it)
@@ -167,8 +166,7 @@ def train_loop(recipe: Recipe, cfg, out: Path, resume: bool = False, progress: P
         end = StepEnd(done, final, gen, opt_step)
         methods.end_step(end, store.log_metrics)
         opt_step = end.opt_step
-        if recipe.refresh_system:
-            system = recipe.system_prompt(cfg, pool)  # an admitted system prompt is the run's from now on
+        system = recipe.system_prompt(cfg, pool)  # a system prompt the prompt gate admitted is the run's from the next step on
         if (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0) or final:
             state = {"opt_steps": opt_step, **recipe.state(cfg, reward_set, sampled_total), **methods.state_dict()}
             store.save_checkpoint(done, policy, optimizer, state)

@@ -206,7 +206,6 @@ RSIPO = Recipe(
     metrics=lambda *a: step_metrics(*a),
     summary=lambda *a: summary(*a),
     system_prompt=lambda cfg, pool: system_prompt_of(pool.take(1)[0]) or cfg.model.system_prompt or None,
-    refresh_system=True,  # an admitted system prompt is the run's from the next step on
     state=lambda cfg, reward_set, episodes: {"episodes": episodes},
     initial_state=lambda methods: {"trust": methods.find("teacher").trust.state_dict(), "skills": methods.find("skills").library.snapshot(), "episodes": 0},
     update=lambda *a, **k: update(*a, **k),  # looked up at each step, so a patched rsipo.update is the one called
