@@ -9,33 +9,17 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from recursa.cli import main
 from recursa.config import RECIPES, dump_config, load_config
+from test_faults import _metrics, _runner  # the fault-injection runner and the metrics without wall times
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = str(ROOT / "examples" / "smoke.toml")
 EXAMPLES = sorted(p.relative_to(ROOT / "examples").as_posix() for p in (ROOT / "examples").rglob("*.toml"))
-TIME_KEYS = ("time/", "throughput/")
-
-
-def _metrics(run: Path) -> list[dict]:
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith(TIME_KEYS)} for r in rows]
-
-
-def _runner(jobs: list[dict], timeout: int = 900) -> list[dict]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    env.pop("RECURSA_FAULT_AT", None)
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "_fault_runner.py"), json.dumps(jobs)], capture_output=True, text=True,
-                          env=env, timeout=timeout, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def _rows_file(tmp_path: Path, n: int = 40) -> Path:
