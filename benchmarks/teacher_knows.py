@@ -262,6 +262,16 @@ def simulate_trust(mean_delta: list[float], adv: list[float], hinted: list[bool]
             "agreements": agree, "trials": trials, "steps": trust.steps}
 
 
+MIN_VERDICT_ITEMS = 10  # fewer items with the context than this: no pass/fail verdict (a 1-item bootstrap interval is a point)
+
+
+def verdict(e: dict) -> str:
+    """'pass' / 'fail' for a context's gain interval, or 'too few items' below MIN_VERDICT_ITEMS."""
+    if e["items"] < MIN_VERDICT_ITEMS:
+        return "too few items"
+    return "pass" if e["passes"] else "fail"
+
+
 def summarise_context(name: str, per_item: list, gains: list, ranks: list, delta: list, delta_centred: list, adv: list, hinted: list,
                       success: list, G: int, cfg, items_per_step: int) -> dict:
     """One context's summary (see the module doc for every field)."""
@@ -433,7 +443,7 @@ def probe(policy, cfg, pool, seeds: list[int], G: int, contexts: list[str], samp
                                             cfg.train.prompts_per_step)
         walls[name] = round(time.perf_counter() - t1, 1)
         e = summaries[name]
-        log(f"{name:>9}: {e['items']} items, gain {_f(e['gain'])} [{_f(e['gain_lo'])}, {_f(e['gain_hi'])}] {'PASS' if e['passes'] else 'fail'}; "
+        log(f"{name:>9}: {e['items']} items, gain {_f(e['gain'])} [{_f(e['gain_lo'])}, {_f(e['gain_hi'])}] {verdict(e).upper()}; "
             f"ranks ref at divergence: teacher {_f(e['teacher_ranks_ref'], '.2f')} / student {_f(e['student_ranks_ref'], '.2f')} of {e['divergent_failed']}; "
             f"corr {_f(e['corr']['r'], '+.2f')} ({e['corr']['groups']} groups); trust {_f(e['trust']['none']['final'], '.2f')}; {walls[name]} s")
     return {"correct": sum(success), "attempts": B * G, "items_any_correct": sum(any(success[b * G : (b + 1) * G]) for b in range(B)),
@@ -466,14 +476,15 @@ def table(results: Path = RESULTS) -> str:
             ci = f" [{_f(c['lo'], '+.2f')}, {_f(c['hi'], '+.2f')}]" if c["lo"] is not None else ""
             rows.append(
                 f"| {r['testbed']} | {r['model_label']} | {r['items']} x {r['group_size']} | {r['correct']}/{r['attempts']} | {all_fail} | {name} | {e['items']} "
-                f"| {_f(e['gain'])} [{_f(e['gain_lo'])}, {_f(e['gain_hi'])}] | {'**yes**' if e['passes'] else 'no'} "
+                f"| {_f(e['gain'])} [{_f(e['gain_lo'])}, {_f(e['gain_hi'])}] | {dict(pass_='**yes**', fail='no').get(verdict(e).replace('pass', 'pass_'), verdict(e))} "
                 f"| {_f(e['teacher_ranks_ref'], '.2f')} / {_f(e['student_ranks_ref'], '.2f')} ({e['divergent_failed']}) "
                 f"| {_f(c['r'], '+.2f')}{ci} ({c['groups']}) | {_f(cc['r'], '+.2f')} "
                 f"| {_f(t['applied_mean'], '.2f')} / {_f(t['final'], '.2f')} ({t['agreements']} / {t['trials']}) | {r['wall_s'][name]} |")
     head = ["# Does the teacher know better? The entry probe of single-turn testbeds", "",
             "Written by `python benchmarks/teacher_knows.py --table` from `benchmarks/results/teacher_knows/*.json`; the metrics "
             "are defined in the script's docstring. gain: mean over items of the per-token log-prob gain of the reference reply, "
-            "teacher (policy + context) minus student (bare policy); a context passes when its 95% interval is above 0.", ""]
+            "teacher (policy + context) minus student (bare policy); a context passes when its 95% interval is above 0 "
+            f"(no verdict, 'too few items', with fewer than {MIN_VERDICT_ITEMS} items that have the context).", ""]
     return "\n".join(head + rows + ["", "Runs:", "", *runs]) + "\n"
 
 
