@@ -15,7 +15,7 @@ import pytest
 
 from recursa.cli import main
 from recursa.config import RECIPES, dump_config, load_config
-from test_faults import _metrics, _runner  # the fault-injection runner and the metrics without wall times
+from test_faults import _assert_resumes_to, _metrics, _runner  # the fault-injection runner and the metrics without wall times
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = str(ROOT / "examples" / "smoke.toml")
@@ -112,12 +112,7 @@ def test_dataset_run_resumes_after_a_kill_at_every_write_point(killed_data_runs,
     else:
         run = base / "chain"
         assert outcomes[-2]["killed"] and outcomes[-1]["killed"], outcomes[-2:]
-    assert main(["train", "--resume", str(run)]) == 0
-    assert _metrics(run) == _metrics(ref)
-    for label in ("before", "after"):
-        a = json.loads((ref / "eval" / f"{label}.json").read_text())
-        b = json.loads((run / "eval" / f"{label}.json").read_text())
-        assert a["items"] == b["items"], label
+    _assert_resumes_to(run, ref)
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
     assert main(["eval", "--run", str(run), "--n", "2"]) == 0  # and the finished run evaluates from its stored config
 
