@@ -265,6 +265,9 @@ def simulate_trust(mean_delta: list[float], adv: list[float], hinted: list[bool]
 MIN_VERDICT_ITEMS = 10  # fewer items with the context than this: no pass/fail verdict (a 1-item bootstrap interval is a point)
 
 
+VERDICT_CELL = {"pass": "**yes**", "fail": "no"}  # the table's cell per verdict ('too few items' as written)
+
+
 def verdict(e: dict) -> str:
     """'pass' / 'fail' for a context's gain interval, or 'too few items' below MIN_VERDICT_ITEMS."""
     if e["items"] < MIN_VERDICT_ITEMS:
@@ -476,7 +479,7 @@ def table(results: Path = RESULTS) -> str:
             ci = f" [{_f(c['lo'], '+.2f')}, {_f(c['hi'], '+.2f')}]" if c["lo"] is not None else ""
             rows.append(
                 f"| {r['testbed']} | {r['model_label']} | {r['items']} x {r['group_size']} | {r['correct']}/{r['attempts']} | {all_fail} | {name} | {e['items']} "
-                f"| {_f(e['gain'])} [{_f(e['gain_lo'])}, {_f(e['gain_hi'])}] | {dict(pass_='**yes**', fail='no').get(verdict(e).replace('pass', 'pass_'), verdict(e))} "
+                f"| {_f(e['gain'])} [{_f(e['gain_lo'])}, {_f(e['gain_hi'])}] | {VERDICT_CELL.get(verdict(e), verdict(e))} "
                 f"| {_f(e['teacher_ranks_ref'], '.2f')} / {_f(e['student_ranks_ref'], '.2f')} ({e['divergent_failed']}) "
                 f"| {_f(c['r'], '+.2f')}{ci} ({c['groups']}) | {_f(cc['r'], '+.2f')} "
                 f"| {_f(t['applied_mean'], '.2f')} / {_f(t['final'], '.2f')} ({t['agreements']} / {t['trials']}) | {r['wall_s'][name]} |")
