@@ -208,6 +208,11 @@ def rollout_episodes(
     """
     tok = policy.tokenizer
     engine = engine or NativeEngine(policy)
+    envs = as_pool(envs)
+    if getattr(envs.take(1)[0], "harness", None) is not None:  # issue 48: a harness plays it through the OpenAI endpoint (recursa/serve.py)
+        from recursa.serve import harness_rollout
+
+        return harness_rollout(policy, envs, seeds, group_size, sampling, generator, system_prompt, agent, hints, engine, prefixes)
     if agent.episode == "chat":  # issue 48: one growing conversation per episode, token-exact across turns (recursa/chat.py)
         return _chat_episodes(policy, envs, seeds, group_size, sampling, generator, system_prompt, agent, hints, engine, prefixes)
     if getattr(engine, "continuous", False):

@@ -19,6 +19,7 @@ Specs understood by `make_env`:
     textworld:<generator> a generated TextWorld game, e.g. textworld:cooking (recursa.envs.textworld_env)
     gym:<id>              a gymnasium env with text rendering, e.g. gym:FrozenLake-v1 (recursa.envs.gym_env)
     ta:<game>             a single-player TextArena game, e.g. ta:GuessTheNumber-v0 (recursa.envs.textarena_env)
+    harness:pkg.module:fn an agent harness written against the OpenAI client, played through recursa's endpoint (recursa.serve)
     pkg.module:factory    your own env: `factory(**kwargs)` returns an object following `Env`
                           or `AgentEnv` (imported by module path, so it works in Ray workers)
     <name>                an env registered by an installed package under the `recursa.envs`
@@ -118,10 +119,11 @@ _RG_PREFIX = "rg:"
 _TWX_PREFIX = "twx:"
 _TW_PREFIX = "textworld:"
 _GYM_PREFIX, _TA_PREFIX = "gym:", "ta:"  # issue 48: other ecosystems' envs (docs/gym.md, docs/textarena.md)
-_PREFIXES = (_RG_PREFIX, _TWX_PREFIX, _TW_PREFIX, _GYM_PREFIX, _TA_PREFIX)
+_HARNESS_PREFIX = "harness:"  # issue 48: an OpenAI-client harness (recursa/serve.py, docs/serve.md)
+_PREFIXES = (_RG_PREFIX, _TWX_PREFIX, _TW_PREFIX, _GYM_PREFIX, _TA_PREFIX, _HARNESS_PREFIX)
 _FAMILIES = {_RG_PREFIX: "recursa.envs.reasoning_gym:ReasoningGymEnv", _TWX_PREFIX: "recursa.envs.twx:TWXEnv",
              _TW_PREFIX: "recursa.envs.textworld_env:TextWorldEnv", _GYM_PREFIX: "recursa.envs.gym_env:GymTextEnv",
-             _TA_PREFIX: "recursa.envs.textarena_env:TextArenaEnv"}
+             _TA_PREFIX: "recursa.envs.textarena_env:TextArenaEnv", _HARNESS_PREFIX: "recursa.serve:harness_env"}
 
 ENTRY_POINT_GROUP = ENVS.group
 
@@ -274,6 +276,7 @@ def list_envs() -> list[tuple[str, str]]:
                  else "gymnasium envs (not installed: pip install gymnasium)"))
     rows.append(("ta:<game>", "a single-player TextArena game (docs/textarena.md)" if _installed("textarena")
                  else "single-player TextArena games (not installed: pip install textarena)"))
+    rows.append(("harness:pkg.module:fn", "an agent harness fn(base_url, seed) -> reward that calls the OpenAI client, trained through recursa's endpoint (docs/serve.md)"))
     rows.append(("pkg.module:factory", "your own env: factory(**env.kwargs) returns an object with name, reset(seed), step(action_text)"))
     return rows
 
@@ -313,7 +316,7 @@ def _make_env(spec: str, **kwargs: Any) -> Env:
                 raise UserError(f"env {spec!r} needs reasoning-gym; install it with: pip install 'recursa[envs]'")
             return import_object(path, "env.name")(spec[len(prefix) :].strip(), **kwargs)
     named = list(_BUILTINS) + list(_custom()) + sorted(entry_point_envs())
-    known = named + ["rg:<dataset>", "twx:<game>", "textworld:<generator>", "gym:<id>", "ta:<game>", "pkg.module:factory"]
+    known = named + ["rg:<dataset>", "twx:<game>", "textworld:<generator>", "gym:<id>", "ta:<game>", "harness:pkg.module:fn", "pkg.module:factory"]
     close = difflib.get_close_matches(spec, named, n=3, cutoff=0.6)
     hint = f" (did you mean {', '.join(close)}?)" if close else ""
     raise UserError(f"unknown env {spec!r}{hint}; known: {', '.join(known)}; run `recursa envs` to list them")
