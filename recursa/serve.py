@@ -416,8 +416,7 @@ class PolicyServer:
             if best.tools_key != req.tools_key and agree == len(best.keys):
                 why = "its tools differ from the ones the conversation was served with"
             elif agree < len(keys):
-                served = "nothing (the request is longer)" if agree >= len(best.keys) else f"a {best.keys[agree][0]} message"
-                why = f"messages[{agree}] ({req.messages[agree]['role']}) is not what was served there ({served})"
+                why = f"messages[{agree}] ({req.messages[agree]['role']}) differs from the {best.keys[agree][0]} message the episode holds there"
             else:
                 why = "it stops inside the conversation, before the reply served"
             raise RequestError(400, f"the messages rewrite this episode's history: {why}; recursa trains on the tokens it served, so send the "
@@ -732,6 +731,7 @@ def harness_rollout(policy, envs, seeds: list[int], group_size: int, sampling: S
 
     with server:
         running: dict[int, tuple[threading.Thread, float]] = {}
+        ended: set[int] = set()
         todo = list(range(n))
         limit = first.concurrency or n
         while todo or running:
@@ -747,9 +747,9 @@ def harness_rollout(policy, envs, seeds: list[int], group_size: int, sampling: S
                 elif time.monotonic() > deadline:  # abandoned: its thread is left to finish, its late requests refused
                     results[i].setdefault("error", TimeoutError(f"the episode ran past its {pool[i].timeout:g} s (timeout)"))
                     del running[i]
-            for i in range(n):
-                if i not in running and i not in todo:
-                    server.end_episode(served[i])
+            for i in set(range(n)) - ended - set(running) - set(todo):  # finished: a late request of its harness is refused
+                server.end_episode(served[i])
+                ended.add(i)
     episodes = []
     for i, ep in enumerate(served):
         env = pool[i]

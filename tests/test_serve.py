@@ -230,7 +230,7 @@ def test_a_rewritten_history_is_refused_and_the_true_one_goes_on(server):
     edited = {"role": "assistant", "content": None, "tool_calls": [{"id": call.id, "type": "function", "function": {"name": "open_box", "arguments": '{"box": 3}'}}]}
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="policy", messages=messages + [edited, tool], tools=TOOLS)
-    assert info.value.code == "history_rewritten" and "messages[1] (assistant) is not what was served there" in info.value.message
+    assert info.value.code == "history_rewritten" and "messages[1] (assistant) differs from the assistant message the episode holds there" in info.value.message
     with pytest.raises(openai.BadRequestError, match="its tools differ"):
         client.chat.completions.create(model="policy", messages=messages + [first.model_dump(exclude_none=True), tool])
     second = client.chat.completions.create(model="policy", messages=messages + [first.model_dump(exclude_none=True), tool], tools=TOOLS)
