@@ -9,15 +9,14 @@ import json
 import urllib.error
 import urllib.request
 
+import openai  # the test extra installs it (pyproject: [project.optional-dependencies] test)
 import pytest
 import torch
 
-openai = pytest.importorskip("openai")  # the test extra installs it (pyproject: [project.optional-dependencies] test)
-
-from recursa.agent import AgentConfig  # noqa: E402
-from recursa.errors import UserError  # noqa: E402
-from recursa.generation import Sample, SamplingParams, sequence_logprobs  # noqa: E402
-from recursa.serve import HarnessEnv, PolicyServer, harness_rollout  # noqa: E402
+from recursa.agent import AgentConfig
+from recursa.errors import UserError
+from recursa.generation import Sample, SamplingParams, sequence_logprobs
+from recursa.serve import HarnessEnv, PolicyServer, harness_rollout
 
 TOOLS = [{"type": "function", "function": {"name": "open_box", "description": "Open a box and read its code.",
                                             "parameters": {"type": "object", "properties": {"box": {"type": "integer"}}, "required": ["box"]}}}]
