@@ -285,6 +285,10 @@ def cmd_eval(args) -> int:
                 from recursa.export import interpolated_policy, warm_start_policy
 
                 policy = interpolated_policy(policy, warm_start_policy(cfg, model_cfg.device), args.interpolate)
+            from recursa.config import resolve_auto
+            from recursa.rollout import is_agent_env
+
+            resolve_auto(cfg, is_agent_env(pool.take(1)[0]))  # 'auto' rollout settings for this task (a run's config.toml has them resolved)
             engine = make_engine(cfg.rollout, policy)  # rollout.engine: native (default) or vllm
             result = evaluate(
                 policy,

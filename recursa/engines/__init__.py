@@ -59,7 +59,8 @@ class RolloutEngine(Protocol):
 class NativeEngine:
     """recursa's own sampler on the trainer's module: the weights are shared, never copied.
 
-    Options (all off by default, which is the sampler exactly as before they existed):
+    Options (all off in the constructor, which is the sampler exactly as before they existed;
+    `make_engine` turns `continuous` on by default, `rollout.continuous = "auto"`):
 
     * `decode_dtype = "bfloat16"` or `"int8"`: sample with a copy of the weights in bfloat16,
       or with dynamically quantised int8 linear layers (`torch.ao.quantization.quantize_dynamic`,
@@ -140,7 +141,8 @@ def low_precision_copy(policy: Policy, decode_dtype: str, into: torch.nn.Module 
 def make_engine(cfg_rollout, policy: Policy) -> RolloutEngine:
     """The engine `cfg_rollout.engine` names (a `RolloutConfig`), holding `policy`'s current weights."""
     if cfg_rollout.engine == "native":
-        return NativeEngine(policy, cfg_rollout.decode_dtype, cfg_rollout.continuous, cfg_rollout.max_rows, cfg_rollout.prefix_cache_mb)
+        decode = "model" if cfg_rollout.decode_dtype == "auto" else cfg_rollout.decode_dtype  # 'auto' not resolved for a task (config.resolve_auto): the trainer's weights
+        return NativeEngine(policy, decode, cfg_rollout.continuous_on, cfg_rollout.max_rows, cfg_rollout.prefix_cache_mb)
     if cfg_rollout.engine == "vllm":
         from recursa.engines.vllm_engine import VLLMEngine
 

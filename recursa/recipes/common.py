@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from recursa.config import dump_config, step_episodes
+from recursa.config import dump_config, resolve_auto, step_episodes
 from recursa.distributed import ddp
 from recursa.distributed.ddp import SINGLE, DataParallel, SingleProcess
 from recursa.distributed.precision import learner_forward  # issue 47: train.precision / activation_checkpointing
@@ -183,6 +183,7 @@ def open_run(cfg, out: Path, resume: bool, log: Callable[[str], None], kl_refere
     torch.manual_seed(cfg.train.seed)
     pool = EnvPool(task_factory(cfg), supervision=supervision_of(cfg))  # env.name or the [data] rows; crashed / hung games are restarted
     multi_turn = is_agent_env(pool.take(1)[0])
+    resolve_auto(cfg, multi_turn)  # rollout settings left at 'auto': the fast path for games (issue 46), written to config.toml resolved
     if single_turn_error is not None and not multi_turn:
         pool.close()
         raise UserError(single_turn_error)

@@ -55,7 +55,7 @@ from recursa.algorithms.losses import entropy_bonus, truncated_is_weights
 from recursa.algorithms.objectives import SEQUENCE_LOSSES, MicroBatch, Outcomes, sequence_sums, sequence_weights
 from recursa.anchor import Anchor
 from recursa.branching import branch_metrics, branched_advantages, sample_branches
-from recursa.config import OUTCOME_OBJECTIVES, GRPOConfig
+from recursa.config import OUTCOME_OBJECTIVES, GRPOConfig, tis_cap_of
 from recursa.distributed.ddp import SINGLE, DataParallel, SingleProcess
 from recursa.distributed.precision import learner_forward  # issue 47
 from recursa.generation import GenerationStats, SamplingParams, prefix_lengths, sequence_logprobs, shared_prefix_logprobs
@@ -161,12 +161,20 @@ def update(
     model = learner.model(policy)  # issue 47: the FSDP2 learner runs the forwards on its sharded copy
     temperature = cfg.sampling.temperature
     n = len(batch)
-    single_update = tc.epochs == 1 and tc.mini_batches == 1
     logprobs = learner_forward(shared_prefix_logprobs if tc.shared_prefix else sequence_logprobs, tc)  # issue 47: train.precision / activation_checkpointing
+    # With one optimizer step per epoch, every forward of the first epoch runs at the rollout's
+    # weights, so the first epoch's own log-probs (detached) are the old policy's: no separate
+    # scoring pass over the batch. Later epochs read them back (`first_epoch_old`); a row is run
+    # in every epoch or in none (the live rows do not depend on the epoch). Data-parallel ranks
+    # run different rows in different epochs, so they keep the scoring pass.
+    first_epoch = tc.mini_batches == 1 and not sequence_objective and learner.world_size == 1
+    first_epoch_old = None
     if tc.old_logprobs == "sampling":
         logp_old_all = batch.sample_logprobs
-    elif single_update and not sequence_objective:
+    elif first_epoch or (tc.epochs == 1 and tc.mini_batches == 1 and not sequence_objective):
         logp_old_all = None  # on-policy: the current forward, detached, is the old policy
+        if tc.epochs > 1:
+            first_epoch_old = torch.zeros(batch.action_mask.shape, dtype=torch.float32, device=batch.device)
     else:
         logp_old_all = _score(logprobs, model, batch, temperature, tc.micro_batch_size, tc.logit_chunk, learner)
     logp_ref_all = None
@@ -196,7 +204,7 @@ def update(
     trainer_logp_all = logp_old_all if tc.old_logprobs == "recompute" else None
     if trainer_logp_all is None and not sequence_objective and not _live_rows(signal, cfg, **extra).any():
         trainer_logp_all = _score(logprobs, model, batch, temperature, tc.micro_batch_size, tc.logit_chunk)
-    gap = _EngineGap(batch.device, cfg.rollout.tis_cap)
+    gap = _EngineGap(batch.device, tis_cap_of(cfg))
     if trainer_logp_all is not None:
         gap.mismatch(trainer_logp_all, batch.sample_logprobs, batch.action_mask)
 
@@ -205,9 +213,14 @@ def update(
     n_stats = 0
     ent_sum, ent_tokens = 0.0, 0.0
     groups = prompt_groups(batch)
+    by_length = _length_order(batch, groups) if tc.mini_batches == 1 else None
     for epoch in range(tc.epochs):
         # shuffle whole prompt groups, so the rows of a group share micro-batches (and prefills)
-        order = torch.cat([groups[int(g)] for g in torch.randperm(len(groups), generator=generator, device="cpu")])  # (N,) on the batch's device
+        shuffled = torch.cat([groups[int(g)] for g in torch.randperm(len(groups), generator=generator, device="cpu")])  # (N,) on the batch's device
+        # One mini-batch: its gradient is the sum over all its rows whatever their order, so the
+        # micro-batches are cut from the rows sorted by length instead (the shuffle is still drawn,
+        # leaving the generator where it was): rows of similar length pad to less (issue 46)
+        order = shuffled if by_length is None else by_length
         for m in range(tc.mini_batches):
             mb_idx = order[m * n // tc.mini_batches : (m + 1) * n // tc.mini_batches]  # every row, also when n % mini_batches != 0 (games)
             if out.opt_steps:
@@ -236,7 +249,14 @@ def update(
                 at_ids = None if distillation is None else distillation.ids[idx, :L]  # the student's log-probs at the teacher's top-k ids
                 logp, ent, *student_k = logprobs(model, mb.input_ids, mb.attention_mask, mb.action_mask, temperature, tc.logit_chunk, with_entropy=True,
                                                  entropy_grad=ac.entropy_coef > 0, at_ids=at_ids)
-                logp_old = logp.detach() if logp_old_all is None else logp_old_all[idx, :L]
+                if logp_old_all is not None:
+                    logp_old = logp_old_all[idx, :L]
+                elif epoch == 0:
+                    logp_old = logp.detach()
+                    if first_epoch_old is not None:
+                        first_epoch_old[idx, :L] = logp_old.float()
+                else:
+                    logp_old = first_epoch_old[idx, :L]
                 # the trainer's log-probs at the rollout's weights: the old policy when recomputed,
                 # else this forward's as long as no optimizer step has been taken yet
                 trainer_old = logp_old if tc.old_logprobs == "recompute" else (logp.detach() if out.opt_steps == 0 else None)
@@ -385,7 +405,7 @@ def update_metrics(st: UpdateStats, rows: list[Trajectory], n_batch: int, cfg, o
         "completion/len_max": lengths.max().item(),
         "completion/truncated_frac": sum(t.finish_reason == "length" for t in rows) / len(rows),
         "rollout/logprob_mismatch": st.logprob_mismatch,
-        **({"rollout/tis_weight_mean": st.tis_weight_mean, "rollout/tis_clip_frac": st.tis_clip_frac} if cfg.rollout.tis_cap is not None else {}),
+        **({"rollout/tis_weight_mean": st.tis_weight_mean, "rollout/tis_clip_frac": st.tis_clip_frac} if tis_cap_of(cfg) is not None else {}),
     }
 
 
@@ -435,6 +455,17 @@ def prompt_groups(batch: TrainBatch) -> list[torch.Tensor]:
     for i in range(len(batch)):
         index.setdefault(tuple(host_ids[i][: first[i]]), []).append(i)
     return [torch.tensor(rows, dtype=torch.long, device=batch.device) for rows in index.values()]
+
+
+def _length_order(batch: TrainBatch, groups: list[torch.Tensor]) -> torch.Tensor:
+    """The rows, whole prompt groups kept together, by decreasing prompt length then
+    completion length: consecutive micro-batches then hold prompts and completions of
+    similar length, so the shared-prefix forward's left-padded prompts and right-padded
+    completions waste little. Ties keep the groups' first-row order (deterministic)."""
+    first = prefix_lengths(batch.action_mask)
+    real = batch.attention_mask.sum(dim=1)
+    keys = [(-int(first[g[0]]), -int((real[g] - first[g]).max()), int(g[0])) for g in groups]
+    return torch.cat([groups[i] for i in sorted(range(len(groups)), key=keys.__getitem__)])
 
 
 @torch.no_grad()
