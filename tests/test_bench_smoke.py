@@ -346,3 +346,45 @@ def test_gate_rounds_reads_the_proposals_of_a_tiny_gated_run(tmp_path):
     tested = [x for x in rounds if "p_value" in x]
     assert tested and all(isinstance(x["proposal"], str) and x["proposal"] for x in tested)
     assert all("proposal" not in x for x in rounds if "p_value" not in x)  # a round with no usable proposal tests nothing
+
+
+def test_limits_reports_each_stage_against_its_bound(tmp_path):
+    """benchmarks/limits.py on the tiny model: every stage has a positive, finite rate and bound, the
+    fraction is their ratio, and each bound is recomputed here from the model's shape and the probes
+    (decode: the slower of (weights + KV bytes) / copy bandwidth and FLOPs / matmul rate)."""
+    import math
+
+    _bench(["benchmarks/limits.py", "--model", "tiny-random", "--decode-rows", "2,5", "--decode-steps", "2", "--prefill-prompts", "4",
+            "--prefill-rows", "2", "--update-rows", "3", "--copy-mb", "32", "--matmul-n", "256", "--out", str(tmp_path)])
+    res = json.loads((tmp_path / "limits.json").read_text())
+    sh, bw, rate = res["shape"], res["bw_gbs"], res["matmul_gflops"]
+    assert bw == max(res["machine_start"]["copy_gbs"], res["machine_end"]["copy_gbs"]) > 0
+    assert [(r["stage"], r["dtype"]) for r in res["table"]] == [("decode", "float32")] * 2 + [("decode", "bfloat16")] * 2 + [
+        ("prefill", "float32"), ("update", "fp32"), ("update", "bf16")]
+    for row in res["table"]:
+        assert all(math.isfinite(row[k]) and row[k] > 0 for k in ("measured", "bound", "fraction")), row
+        assert math.isclose(row["fraction"], row["measured"] / row["bound"], rel_tol=1e-9)
+    kv = 2 * sh["layers"] * sh["kv_heads"] * sh["head_dim"]  # elements per position
+    attn = 4 * sh["layers"] * sh["heads"] * sh["head_dim"]  # forward FLOPs per (query, key) pair
+    for rec in res["decode"]:
+        elt = 4 if rec["dtype"] == "float32" else 2
+        L, n, s = rec["context"], rec["rows"], rec["steps"]
+        nbytes = sum((sh["body"] + sh["vocab"] * sh["hidden"]) * elt + n * kv * (L + k + 1) * elt for k in range(1, s + 1))
+        flops = sum(n * (2 * (sh["body"] + sh["vocab"] * sh["hidden"]) + attn * (L + k + 1)) for k in range(1, s + 1))
+        assert math.isclose(rec["bytes"], nbytes) and math.isclose(rec["flops"], flops)
+        t_bound = max(nbytes / (bw * 1e9), flops / (rate[rec["dtype"]] * 1e9))
+        assert math.isclose(rec["bound"], n * s / t_bound, rel_tol=1e-9) and rec["tokens"] == n * s
+        assert rec["limit"] == ("memory" if nbytes / bw > flops / rate[rec["dtype"]] else "compute")
+    p = res["prefill"]
+    assert p["prompts"] == 4 and p["forwards"] == 2 and p["padded_tokens"] >= p["tokens"] > 0
+    assert math.isclose(p["bound"], p["tokens"] / (p["flops"] / (rate["float32"] * 1e9)), rel_tol=1e-9)
+    assert p["flops"] > 2 * sh["body"] * p["tokens"]  # plus the attention
+    for u in res["update"]:
+        r = rate["float32" if u["precision"] == "fp32" else "bfloat16"]
+        assert u["rows"] == 3 and u["action_tokens"] > 0
+        assert math.isclose(u["bound"], u["tokens"] / (u["flops"] / (r * 1e9)), rel_tol=1e-9)
+        # 3 x forward: body matmuls of every token run, the projection of every action position, attention
+        assert u["flops"] > 3 * (2 * sh["body"] * u["tokens"] + 2 * sh["vocab"] * sh["hidden"] * u["action_tokens"])
+        assert math.isclose(u["flops_6n"], 6 * sh["params"] * u["tokens"])
+    md = (tmp_path / "limits.md").read_text()
+    assert md.startswith("# Each stage against its bound") and "--model tiny-random" in md and md.count("| decode |") == 4
