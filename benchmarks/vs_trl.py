@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Side-by-side benchmark: one GRPO step of recursa against TRL's `GRPOTrainer`.
+"""Side-by-side benchmark: one GRPO step of recursa against TRL's `GRPOTrainer`, and the
+wall time of a whole small run of each.
 
 Both frameworks train the same model (loaded from the same local directory) on the same
 prompts, with the same reward function, group size, lengths, learning rate and seeds; each
@@ -11,11 +12,17 @@ step generates B x G completions and then takes exactly one optimizer step on th
     python benchmarks/vs_trl.py --recursa-only               # no TRL needed
     python benchmarks/vs_trl.py --device cuda                # both frameworks on the GPU
     python benchmarks/vs_trl.py --recursa-decode bfloat16    # also recursa sampling with a bf16 copy (rollout.decode_dtype)
+    python benchmarks/vs_trl.py --whole-run-steps 0          # without the whole-run column
 
 Every (setting, framework, repeat) run is its own subprocess (fresh interpreter, fresh
 model), so the peak resident memory of each framework is measured on its own. Runs
-alternate: within a repeat the two frameworks run back to back for each setting, and the
-order flips on every repeat, so slow drift of a shared machine hits both alike.
+alternate: within a repeat the frameworks run back to back for each setting, and the
+order flips on every repeat (ABBA), so slow drift of a shared machine hits both alike.
+After the step runs of a setting, each framework also plays a whole run of
+--whole-run-steps steps as a user launches it (`recursa train CONFIG` on the equivalent
+config; a plain TRL script), timed from process start to exit, in the same order.
+The host's fp32 matmul rate is probed at the start and at the end of the invocation;
+the ratios are reported per repeat and as a median with their range.
 See benchmarks/README.md for what is measured and the fairness choices.
 """
 
@@ -32,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -162,9 +170,8 @@ def step_seeds(spec: dict, steps: int) -> list[list[int]]:
     return [train_seeds(cfg, k) for k in range(steps)]
 
 
-def recursa_config(spec: dict, model_dir: str, steps: int):
-    from recursa.config import load_config
-
+def recursa_overrides(spec: dict, model_dir: str, steps: int) -> list[str]:
+    """The recursa config of a setting, as `--set KEY=VALUE` items (values in JSON / TOML)."""
     n = spec["prompts_per_step"] * spec["group_size"]
     overrides = {
         "model.name": model_dir,
@@ -198,7 +205,31 @@ def recursa_config(spec: dict, model_dir: str, steps: int):
     items += [f"env.kwargs={{difficulty = {COMMON['difficulty']}}}", f"train.betas={json.dumps(COMMON['betas'])}"]
     if spec.get("decode_dtype", "model") != "model":
         items += [f"rollout.decode_dtype={json.dumps(spec['decode_dtype'])}", f"rollout.tis_cap={TIS_CAP}"]
-    return load_config(None, items)
+    return items
+
+
+def recursa_config(spec: dict, model_dir: str, steps: int):
+    from recursa.config import load_config
+
+    return load_config(None, recursa_overrides(spec, model_dir, steps))
+
+
+# the agent setting's env, as `recursa train` names a user's own env factory (benchmarks/ on PYTHONPATH)
+AGENT_ENV_FACTORY = "vs_trl:AgentArithmeticEnv"
+
+
+def whole_run_toml(spec: dict, model_dir: str, steps: int) -> str:
+    """The config file of the whole run `recursa train` plays: the step benchmark's config, with
+    the agent setting's env named as a factory, and no held-out evaluation (TRL's run has none).
+    The run keeps recursa's defaults otherwise: a checkpoint at the end, samples.jsonl, report.md."""
+    lines = ['recipe = "grpo"']
+    for item in recursa_overrides(spec, model_dir, steps):
+        key, value = item.split("=", 1)
+        if key == "env.name" and spec["prompt_style"] == "agent":
+            value = json.dumps(AGENT_ENV_FACTORY)
+        lines.append(f"{key} = {value}")
+    lines += ["eval.before = false", "eval.after = false"]
+    return "\n".join(lines) + "\n"
 
 
 # ----------------------------------------------------------------------------- measuring helpers
@@ -409,36 +440,35 @@ def trl_config_kwargs(spec: dict, steps: int, output_dir: str) -> dict:
     }
 
 
-def child_trl(spec: dict, model_dir: str, steps: int) -> dict:
+def trl_rows(spec: dict, steps: int) -> list[dict]:
+    """TRL's dataset: the prompts of every step in recursa's order, each with its task seed."""
+    env = make_setting_env(spec)
+    rows = []
+    for seeds in step_seeds(spec, steps):
+        for s in seeds:
+            rows.append({"prompt": [{"role": "system", "content": spec["system_prompt"]}, {"role": "user", "content": env.reset(s)}], "seed": s})
+    return rows
+
+
+def trl_model(model_dir: str):
+    """The tokenizer and fp32 model TRL trains, with the fix-ups recursa's load_policy applies
+    (no-ops for the models used here)."""
     import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    torch.set_num_threads(THREADS)
-    t_start = time.perf_counter()
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from transformers.utils import logging as hf_logging
-    from trl import GRPOConfig, GRPOTrainer
-
-    hf_logging.set_verbosity_error()
-    device = spec.get("device", COMMON["device"])
-    torch.manual_seed(COMMON["seed"])
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    # the same fix-ups recursa's load_policy applies (no-ops for the models used here)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     if tokenizer.chat_template is None:
         from recursa.models import CHATML_TEMPLATE
 
         tokenizer.chat_template = CHATML_TEMPLATE
-    params = param_counts(model)
+    return tokenizer, model
 
-    env = make_setting_env(spec)
-    rows = []
-    for seeds in step_seeds(spec, steps):
-        for s in seeds:
-            rows.append({"prompt": [{"role": "system", "content": spec["system_prompt"]}, {"role": "user", "content": env.reset(s)}], "seed": s})
-    dataset = Dataset.from_list(rows)
+
+def trl_reward(spec: dict):
+    """The setting's env reward on a completion, keyed by the prompt's seed (a dataset column)."""
 
     def arithmetic_reward(prompts, completions, seed, **kwargs):
         out = []
@@ -448,6 +478,27 @@ def child_trl(spec: dict, model_dir: str, steps: int) -> dict:
             e.reset(int(s))
             out.append(float(e.step(text).reward))
         return out
+
+    return arithmetic_reward
+
+
+def child_trl(spec: dict, model_dir: str, steps: int) -> dict:
+    import torch
+
+    torch.set_num_threads(THREADS)
+    t_start = time.perf_counter()
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from transformers.utils import logging as hf_logging
+    from trl import GRPOConfig, GRPOTrainer
+
+    hf_logging.set_verbosity_error()
+    device = spec.get("device", COMMON["device"])
+    torch.manual_seed(COMMON["seed"])
+    tokenizer, model = trl_model(model_dir)
+    params = param_counts(model)
+    dataset = Dataset.from_list(trl_rows(spec, steps))
+    arithmetic_reward = trl_reward(spec)
 
     class Timer(TrainerCallback):
         def __init__(self) -> None:
@@ -520,18 +571,52 @@ def child_trl(spec: dict, model_dir: str, steps: int) -> dict:
     return rec
 
 
+def child_trl_run(spec: dict, model_dir: str, steps: int, rows_path: str, out_dir: str) -> dict:
+    """A whole TRL run as a user's script plays it: imports, model and dataset load, `steps`
+    steps of `GRPOTrainer` with the step benchmark's `GRPOConfig`, the trained model saved
+    (as TRL's own example scripts end). No callbacks: the parent times the process."""
+    import torch
+
+    torch.set_num_threads(THREADS)
+    from datasets import Dataset
+    from transformers.utils import logging as hf_logging
+    from trl import GRPOConfig, GRPOTrainer
+
+    hf_logging.set_verbosity_error()
+    torch.manual_seed(COMMON["seed"])
+    tokenizer, model = trl_model(model_dir)
+    dataset = Dataset.from_list(json.loads(Path(rows_path).read_text()))
+    args = GRPOConfig(**trl_config_kwargs(spec, steps, out_dir))
+    trainer = GRPOTrainer(model=model, reward_funcs=trl_reward(spec), args=args, train_dataset=dataset, processing_class=tokenizer)
+    torch.set_num_threads(THREADS)
+    trainer.train()
+    trainer.save_model(str(Path(out_dir) / "final"))
+    return {"steps": trainer.state.global_step, "reward": [lg["reward"] for lg in trainer.state.log_history if "reward" in lg]}
+
+
 # ----------------------------------------------------------------------------- parent
+
+
+def child_env() -> dict:
+    """The environment of every child process: the thread count pinned, no hub access."""
+    return dict(os.environ, OMP_NUM_THREADS=str(THREADS), MKL_NUM_THREADS=str(THREADS), TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
+                TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONWARNINGS="ignore")
+
+
+def with_variant(framework: str, spec: dict) -> tuple[str, dict]:
+    """The child that plays `framework` and its spec: a decode variant is recursa with its decode dtype."""
+    if framework.startswith(VARIANT_PREFIX):
+        return "recursa", {**spec, "decode_dtype": framework.removeprefix(VARIANT_PREFIX)}
+    return framework, spec
 
 
 def run_child(framework: str, spec: dict, model_dir: str, steps: int, timeout: float) -> dict:
     """One run in its own interpreter; `framework` is recursa, trl or a decode variant of recursa."""
-    child = framework
-    if framework.startswith(VARIANT_PREFIX):
-        child, spec = "recursa", {**spec, "decode_dtype": framework.removeprefix(VARIANT_PREFIX)}
+    child, spec = with_variant(framework, spec)
     with tempfile.TemporaryDirectory(prefix="vs_trl_child_") as tmp:
         result = Path(tmp) / "result.json"
         cmd = [sys.executable, str(Path(__file__).resolve()), "--_child", child, "--_spec", json.dumps(spec), "--_model-dir", model_dir, "--steps", str(steps), "--_result", str(result)]
-        env = dict(os.environ, OMP_NUM_THREADS=str(THREADS), MKL_NUM_THREADS=str(THREADS), TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONWARNINGS="ignore")
+        env = child_env()
         t = time.perf_counter()
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
         wall = time.perf_counter() - t
@@ -541,6 +626,61 @@ def run_child(framework: str, spec: dict, model_dir: str, steps: int, timeout: f
         rec = json.loads(result.read_text())
     rec["wall_s"] = wall
     return rec
+
+
+def recursa_command() -> list[str]:
+    """How a user launches recursa: the `recursa` console script beside this interpreter (else `python -m recursa.cli`)."""
+    script = Path(sys.executable).parent / "recursa"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "recursa.cli"]
+
+
+def count_recursa_steps(run_dir: Path) -> int:
+    """Training steps a `recursa train` run logged (its metrics.jsonl rows with a step reward)."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return len({r["step"] for r in rows if "reward/mean" in r})
+
+
+def run_whole(framework: str, spec: dict, model_dir: str, steps: int, timeout: float) -> dict:
+    """A whole run of `steps` steps as a user launches it, timed from process start to exit
+    (interpreter start, imports, model load, the steps, saving the trained weights):
+    recursa: `recursa train CONFIG --out DIR` on whole_run_toml(); TRL: child_trl_run."""
+    child, spec = with_variant(framework, spec)
+    with tempfile.TemporaryDirectory(prefix="vs_trl_run_") as tmp:
+        tmp = Path(tmp)
+        env = child_env()
+        env["PYTHONPATH"] = os.pathsep.join(x for x in (str(REPO / "benchmarks"), env.get("PYTHONPATH")) if x)  # the agent env's factory
+        if child == "recursa":
+            config = tmp / "run.toml"
+            config.write_text(whole_run_toml(spec, model_dir, steps))
+            cmd = [*recursa_command(), "train", str(config), "--out", str(tmp / "run")]
+        else:
+            rows = tmp / "rows.json"
+            rows.write_text(json.dumps(trl_rows(spec, steps)))
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--_child", "trl-run", "--_spec", json.dumps(spec), "--_model-dir", model_dir,
+                   "--steps", str(steps), "--_rows", str(rows), "--_out-dir", str(tmp / "trl"), "--_result", str(tmp / "result.json")]
+        t = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+        wall = time.perf_counter() - t
+        if proc.returncode != 0:
+            tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-25:])
+            raise RuntimeError(f"{framework} whole run failed (exit {proc.returncode}):\n{tail}")
+        done = count_recursa_steps(tmp / "run") if child == "recursa" else json.loads((tmp / "result.json").read_text())["steps"]
+    if done != steps:
+        raise RuntimeError(f"{framework} whole run trained {done} steps; expected {steps}")
+    return {"wall_s": wall, "steps": done}
+
+
+def spread(values: list) -> dict | None:
+    """A ratio over repeats: each repeat's value, their median and their range (None: nothing measured)."""
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return None
+    return {"by_repeat": values, "median": statistics.median(vals), "min": min(vals), "max": max(vals), "n": len(vals)}
+
+
+def ratio_by_repeat(baseline: list, entry: list) -> list:
+    """baseline time / entry time, repeat by repeat (> 1: the entry is faster); None where either is missing."""
+    return [b / e if (b and e) else None for b, e in zip(baseline, entry)]
 
 
 def _median(xs):
@@ -602,18 +742,47 @@ def _fmt(x, spec="{:.2f}"):
     return "n/a" if x is None else spec.format(x)
 
 
+def _spread_text(sp: dict | None) -> tuple[str, str]:
+    """(each repeat's ratio, 'median [min-max]') of a spread, or n/a."""
+    if sp is None:
+        return "n/a", "n/a"
+    each = ", ".join(_fmt(x) for x in sp["by_repeat"])
+    return each, f"**{sp['median']:.2f}x** [{sp['min']:.2f}-{sp['max']:.2f}]"
+
+
+def run_orders(schedule: list[dict]) -> list[list[str]]:
+    """The order the entries' step runs took in each repeat (the first setting's), read from the schedule."""
+    first = schedule[0]["setting"] if schedule else None
+    orders: dict[int, list[str]] = {}
+    for e in schedule:
+        if e["setting"] == first and e["run"] == "steps":
+            orders.setdefault(e["repeat"], []).append(e["framework"])
+    return [orders[k] for k in sorted(orders)]
+
+
 def markdown(results: dict) -> str:
     m = results["machine"]
+    w = results.get("whole_run_steps", 0)
+    mm0, mm1 = m["matmul_start"]["best_gflops"], m["matmul_end"]["best_gflops"]
+    drift = m.get("matmul_drift", mm1 / mm0 - 1)
     lines = [
-        "# recursa vs TRL: one GRPO step",
+        "# recursa vs TRL: one GRPO step" + (" and a whole run" if w else ""),
         "",
-        f"torch {m['torch']}, transformers {m['transformers']}, trl {m['trl'] or 'not installed'}, {m['threads']} threads, "
-        f"device {m.get('device', 'cpu')}{' (' + m['gpu'] + ')' if m.get('gpu') else ''}, "
-        f"fp32 matmul {m['matmul_gflops']:.1f} GFLOP/s (best of start/end), model `{results['model']}`, "
-        f"{results['steps']} steps x {results['repeats']} repeat(s).",
+        f"Run {results.get('started_utc', '?')} to {results.get('ended_utc', '?')}; torch {m['torch']}, transformers {m['transformers']}, "
+        f"trl {m['trl'] or 'not installed'}, {m['threads']} threads, device {m.get('device', 'cpu')}{' (' + m['gpu'] + ')' if m.get('gpu') else ''}, "
+        f"model `{results['model']}`, {results['steps']} steps x {results['repeats']} repeat(s)" + (f"; whole runs of {w} steps." if w else "."),
         "",
-        "| setting | framework | prompt tok | warm-up s | median s/step | rollout s | update s | gen tok/s | trained tok/s | peak RSS MB | MFU gen | MFU update | mean reward |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        f"Host fp32 matmul ({m['matmul_start']['n']}^3, best of {m['matmul_start']['reps']}): **{mm0:.1f} GFLOP/s at the start, {mm1:.1f} at the end** "
+        f"({drift:+.0%}); MFU is against the higher of the two."
+        + (" The rate moved by more than 10% during the run: another job shared the host, read the timings with care." if abs(drift) > 0.10 else ""),
+        "",
+        "Order (each entry its own process, back to back per setting, flipped every repeat): "
+        + "; ".join(f"repeat {i + 1}: {', '.join(o)}" for i, o in enumerate(run_orders(results.get("schedule", [])))) + "."
+        + (" The whole runs follow the step runs of their setting in the same order." if w else ""),
+        "",
+        "| setting | framework | prompt tok | warm-up s | median s/step | rollout s | update s | gen tok/s | trained tok/s | peak RSS MB | MFU gen | MFU update | mean reward |"
+        + (f" whole run s ({w} steps) |" if w else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if w else ""),
     ]
     for name, res in results["settings"].items():
         for fw in frameworks_of(res):
@@ -623,17 +792,33 @@ def markdown(results: dict) -> str:
                 f"{_fmt(r['median_rollout_s'])} | {_fmt(r['median_update_s'])} | {_fmt(r['gen_tokens_per_s'], '{:.1f}')} | "
                 f"{_fmt(r['trained_tokens_per_s'], '{:.0f}')} | {r['peak_rss_mb']:.0f} | {_fmt(r['mfu_gen'], '{:.1%}')} | "
                 f"{_fmt(r['mfu_update'], '{:.1%}')} | {statistics.mean(r['reward_curve']):.3f} |"
+                + (f" {_fmt(r.get('whole_run_s'), '{:.1f}')} |" if w else "")
             )
+    if any(res.get("ratios") for res in results["settings"].values()):
+        lines += [
+            "",
+            ("Ratios, repeat by repeat (the baseline's time / the entry's time, > 1: the entry is faster; s/step: each run's median over its non-warm-up steps), "
+             "then the median over repeats with its range:"),
+            "",
+            "| setting | entry vs baseline | s/step ratio per repeat | s/step ratio | whole-run ratio per repeat | whole-run ratio |",
+            "|---|---|---|---|---|---|",
+        ]
+        for name, res in results["settings"].items():
+            for pair, r in res.get("ratios", {}).items():
+                step_each, step_mid = _spread_text(r["s_per_step"])
+                whole_each, whole_mid = _spread_text(r["whole_run"])
+                lines.append(f"| {name} | {pair} | {step_each} | {step_mid} | {whole_each} | {whole_mid} |")
     lines.append("")
     for name, res in results["settings"].items():
         if res.get("speedup") is not None:
-            lines.append(f"- **{name}**: speedup {res['speedup']:.2f}x (TRL median s/step / recursa median s/step, warm-up step excluded; > 1 means recursa is faster).")
+            lines.append(f"- **{name}**: speedup {res['speedup']:.2f}x (TRL median s/step / recursa median s/step over all repeats' steps pooled, warm-up step excluded; > 1 means recursa is faster).")
         for fw, x in res.get("speedup_variants", {}).items():
             if x is not None:
                 gap = res[fw]["logprob_mismatch"]
                 lines.append(f"- **{name}**, {fw}: speedup {x:.2f}x over TRL ({res['speedup_vs_recursa'][fw]:.2f}x over float32 recursa; "
                              f"mean |log-prob gap| to the float32 trainer {_fmt(gap, '{:.4f}')} nats/token, corrected by TIS at cap {TIS_CAP}).")
-    lines += ["", "MFU = model FLOP/s / measured fp32 matmul rate; see benchmarks/README.md for the FLOP formulas.", ""]
+    lines += ["", "MFU = model FLOP/s / measured fp32 matmul rate; see benchmarks/README.md for the FLOP formulas"
+              + (" and for what the whole run includes (process start to exit: imports, model load, the steps, saving the weights)." if w else "."), ""]
     return "\n".join(lines)
 
 
@@ -721,15 +906,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--recursa-decode", choices=("bfloat16", "int8"), help="also run recursa sampling with this low-precision copy of the weights "
                     "(rollout.decode_dtype; the trainer stays float32, TIS corrects the gap), reported as its own entry")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where both frameworks train (default cpu; cuda: recursa model.device, TRL use_cpu=False)")
-    ap.add_argument("--_child", choices=FRAMEWORKS, help=argparse.SUPPRESS)
+    ap.add_argument("--whole-run-steps", type=int, default=None, help="steps of the whole-run column: each framework also plays a run of this many "
+                    "steps as a user launches it (recursa train / a TRL script), timed from process start to exit; 0 = no column; default 3, smoke 2")
+    ap.add_argument("--_child", choices=(*FRAMEWORKS, "trl-run"), help=argparse.SUPPRESS)
     ap.add_argument("--_spec", help=argparse.SUPPRESS)
     ap.add_argument("--_model-dir", dest="model_dir", help=argparse.SUPPRESS)
     ap.add_argument("--_result", help=argparse.SUPPRESS)
+    ap.add_argument("--_rows", help=argparse.SUPPRESS)
+    ap.add_argument("--_out-dir", dest="out_dir", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
 
     if a._child:
         spec = json.loads(a._spec)
-        rec = (child_recursa if a._child == "recursa" else child_trl)(spec, a.model_dir, a.steps)
+        if a._child == "trl-run":
+            rec = child_trl_run(spec, a.model_dir, a.steps, a._rows, a.out_dir)
+        else:
+            rec = (child_recursa if a._child == "recursa" else child_trl)(spec, a.model_dir, a.steps)
         Path(a._result).write_text(json.dumps(rec))
         return 0
 
@@ -740,6 +932,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.smoke:
         settings = {"short": dict(SMOKE_SETTING, device=a.device)}
         steps, repeats, model = a.steps or 2, a.repeats or 1, a.model or "tiny-random"
+        whole_steps = 2 if a.whole_run_steps is None else a.whole_run_steps
     else:
         names = [s.strip() for s in a.settings.split(",") if s.strip()]
         unknown = [s for s in names if s not in SETTINGS]
@@ -747,8 +940,13 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"unknown setting(s) {unknown}; choose from {list(SETTINGS)}")
         settings = {s: dict(SETTINGS[s], device=a.device) for s in names}
         steps, repeats, model = a.steps or 10, a.repeats or 3, a.model or "smollm2-135m-instruct"
+        whole_steps = 3 if a.whole_run_steps is None else a.whole_run_steps
     if steps < 2:
         ap.error("--steps must be >= 2 (the first step is reported separately as warm-up)")
+    if repeats < 1:
+        ap.error("--repeats must be >= 1")
+    if whole_steps < 0:
+        ap.error("--whole-run-steps must be >= 0 (0: no whole-run column)")
     frameworks = list(FRAMEWORKS) if with_trl else ["recursa"]
     if a.recursa_decode:
         frameworks.insert(1, VARIANT_PREFIX + a.recursa_decode)
@@ -761,33 +959,52 @@ def main(argv: list[str] | None = None) -> int:
     if a.device == "cuda" and not torch.cuda.is_available():
         print(f"--device cuda: torch {torch.__version__} sees no CUDA GPU", file=sys.stderr)
         return 2
+    started = datetime.now(UTC)
     mm_start = matmul_gflops(device=a.device)
-    print(f"fp32 matmul: {mm_start['best_gflops']:.1f} GFLOP/s on {a.device if a.device != 'cpu' else f'{THREADS} threads'}", flush=True)
+    print(f"fp32 matmul at start: {mm_start['best_gflops']:.1f} GFLOP/s on {a.device if a.device != 'cpu' else f'{THREADS} threads'}", flush=True)
     runs: dict[str, dict[str, list]] = {s: {fw: [] for fw in frameworks} for s in settings}
+    whole: dict[str, dict[str, list]] = {s: {fw: [] for fw in frameworks} for s in settings}
+    schedule: list[dict] = []  # every child process in the order it ran
     with tempfile.TemporaryDirectory(prefix="vs_trl_model_") as tmp:
         model_dir = prepare_model_dir(model, Path(tmp))
         for rep in range(repeats):
             order = frameworks if rep % 2 == 0 else frameworks[::-1]
             for name, spec in settings.items():
                 for fw in order:
+                    at = datetime.now(UTC).isoformat(timespec="seconds")
                     rec = run_child(fw, spec, model_dir, steps, a.timeout)
                     runs[name][fw].append(rec)
+                    schedule.append({"repeat": rep, "setting": name, "framework": fw, "run": "steps", "start_utc": at, "wall_s": rec["wall_s"]})
                     times = ", ".join(f"{x:.2f}" for x in rec["step_s"])
                     print(f"[repeat {rep + 1}/{repeats}] {name:5s} {fw:7s} s/step: {times}  reward: {', '.join(f'{x:.2f}' for x in rec['reward'])}  peak RSS {rec['peak_rss_mb']:.0f} MB"
                           + (f", peak GPU {rec['peak_gpu_mb']:.0f} MB" if rec.get("peak_gpu_mb") is not None else ""), flush=True)
+                for fw in order if whole_steps else ():
+                    at = datetime.now(UTC).isoformat(timespec="seconds")
+                    w = run_whole(fw, spec, model_dir, whole_steps, a.timeout)
+                    whole[name][fw].append(w["wall_s"])
+                    schedule.append({"repeat": rep, "setting": name, "framework": fw, "run": "whole", "start_utc": at, "wall_s": w["wall_s"]})
+                    print(f"[repeat {rep + 1}/{repeats}] {name:5s} {fw:7s} whole run of {whole_steps} steps: {w['wall_s']:.1f} s", flush=True)
     mm_end = matmul_gflops(device=a.device)
+    ended = datetime.now(UTC)
+    print(f"fp32 matmul at end: {mm_end['best_gflops']:.1f} GFLOP/s", flush=True)
     peak = max(mm_start["best_gflops"], mm_end["best_gflops"])
 
     results: dict = {
         "model": model,
         "steps": steps,
         "repeats": repeats,
+        "whole_run_steps": whole_steps,
         "smoke": a.smoke,
+        "started_utc": started.isoformat(timespec="seconds"),
+        "ended_utc": ended.isoformat(timespec="seconds"),
+        "frameworks": frameworks,
+        "schedule": schedule,
         "settings": {},
         "machine": {
             "matmul_gflops": peak,
             "matmul_start": mm_start,
             "matmul_end": mm_end,
+            "matmul_drift": mm_end["best_gflops"] / mm_start["best_gflops"] - 1,
             "threads": THREADS,
             "device": a.device,
             "gpu": torch.cuda.get_device_name(0) if a.device == "cuda" else None,
@@ -798,9 +1015,12 @@ def main(argv: list[str] | None = None) -> int:
         },
     }
     for name, spec in settings.items():
-        res: dict = {"settings": {**COMMON, **spec, "steps": steps, "repeats": repeats, "model": model, "trl_config": trl_config_kwargs(spec, steps, "<tmp>") if with_trl else None}}
+        res: dict = {"settings": {**COMMON, **spec, "steps": steps, "repeats": repeats, "model": model, "trl_config": trl_config_kwargs(spec, steps, "<tmp>") if with_trl else None,
+                                  "whole_run_steps": whole_steps, "whole_run_config": whole_run_toml(spec, "<model dir>", whole_steps) if whole_steps else None}}
         for fw in frameworks:
             res[fw] = summarise(runs[name][fw], peak)
+            res[fw]["whole_run_s_all"] = whole[name][fw]
+            res[fw]["whole_run_s"] = _median(whole[name][fw])
         if not with_trl:
             res["trl"] = None
         res["mean_prompt_tokens"] = res["recursa"]["mean_prompt_tokens"]
@@ -812,9 +1032,19 @@ def main(argv: list[str] | None = None) -> int:
             vs = {fw: res[fw]["median_s_per_step"] for fw in variants}
             res["speedup_variants"] = {fw: ts / v if (v and ts) else None for fw, v in vs.items()}
             res["speedup_vs_recursa"] = {fw: rs / v if (v and rs) else None for fw, v in vs.items()}
+        # the ratios repeat by repeat (the two runs of a pair ran back to back), with their median and range
+        pairs = [(fw, "trl") for fw in frameworks if fw != "trl" and with_trl] + [(fw, "recursa") for fw in variants]
+        res["ratios"] = {
+            f"{fw} vs {base}": {
+                "s_per_step": spread(ratio_by_repeat(res[base]["median_s_per_step_by_repeat"], res[fw]["median_s_per_step_by_repeat"])),
+                "whole_run": spread(ratio_by_repeat(whole[name][base], whole[name][fw])) if whole_steps else None,
+            }
+            for fw, base in pairs
+        }
         results["settings"][name] = res
     # the requested top-level shape: {"<setting>": {...}, "machine": {...}}
-    flat = {**results["settings"], "machine": results["machine"], "meta": {k: results[k] for k in ("model", "steps", "repeats", "smoke")}}
+    meta = ("model", "steps", "repeats", "whole_run_steps", "smoke", "started_utc", "ended_utc", "frameworks", "schedule")
+    flat = {**results["settings"], "machine": results["machine"], "meta": {k: results[k] for k in meta}}
     (out_dir / "vs_trl.json").write_text(json.dumps(flat, indent=2))
     md = markdown(results)
     (out_dir / "vs_trl.md").write_text(md)
