@@ -426,7 +426,15 @@ class AlgoConfig(_Section):
         1.0, gt=0, le=1, description="objective 'nft': lower clamp of a failure's implicit-negative ratio (1 - r_q R) / (1 - r_q) inside the log (value only; gradient straight through)",
     )
     apo_beta: float = Field(1e-3, gt=0, description="objective 'apo': beta in (beta log(pi / pi_ref) - (r - V*))^2 (1e-3: the paper's released runs; 0.5 held the demo at 0.69)")
-    apo_value_beta: float = Field(0.5, gt=0, description="objective 'apo': beta in V*(x) = beta log mean_j exp(r_j / beta) over the task group's rewards")
+    apo_value_beta: float = Field(0.5, gt=0, description="objective 'apo': beta in V*(x) = beta log mean_j exp(r_j / beta) over the rewards apo_values names")
+    apo_values: Literal["group", "reference"] = Field(
+        "group",
+        description="objective 'apo': where V*(x) comes from. group (the default): the task group's own G on-policy rewards, no extra "
+        "sampling; reference (A*-PO's stage 1, as published): apo_reference_k replies of the reference policy (the initial weights) per "
+        "task, sampled the first time a step meets the task, scored with the run's reward and stored in the run directory "
+        "(apo_reference.jsonl; a resume reads it back). Single-turn tasks (docs/objectives.md)",
+    )
+    apo_reference_k: int = Field(8, ge=1, description="apo_values = 'reference': replies of the reference policy sampled per task for V*(x)")
     igrpo: bool = Field(
         False,
         description="iGRPO: each task first gets igrpo_drafts draft episodes (not trained); the best draft by reward is shown in the prompt "
@@ -1105,6 +1113,17 @@ def _check_objective(cfg) -> None:
         )
     if objective in SEQUENCE_OBJECTIVES and cfg.rollout.tis_cap not in (None, "auto"):
         raise ValueError(f"rollout.tis_cap weights per-token losses; algo.objective = {objective!r} is a loss of whole sequences: set rollout.tis_cap = None")
+    if cfg.algo.apo_values != "group":
+        if objective != "apo":
+            raise ValueError(f"algo.apo_values = {cfg.algo.apo_values!r} is where A*-PO's V* comes from; algo.objective = {objective!r} reads no V*: "
+                             "set algo.objective = 'apo', or algo.apo_values = 'group'")
+        if cfg.algo.igrpo:
+            raise ValueError("algo.apo_values = 'reference' stores V* of each task's bare prompt, but algo.igrpo trains on prompts that show a draft: "
+                             "set algo.apo_values = 'group', or algo.igrpo = false")
+        builtin = [e.kind for e in getattr(cfg, "reward", []) if e.kind != "func"]
+        if builtin:
+            raise ValueError(f"algo.apo_values = 'reference' stores the reference sample's rewards once, but reward kind = {builtin[0]!r} changes "
+                             "as the run goes on: use func rewards (or the env's), or algo.apo_values = 'group'")
     branch = getattr(cfg.rollout, "branch", "off")
     if branch != "off" and objective in OUTCOME_OBJECTIVES:
         raise ValueError(f"rollout.branch = {branch!r} trains continuations on branch advantages, which algo.objective = {objective!r} does not read: "

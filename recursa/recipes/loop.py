@@ -32,6 +32,7 @@ from typing import Any, Callable
 import torch
 
 from recursa.algorithms.objectives import Outcomes
+from recursa.apo_reference import open_reference_sample
 from recursa.config import OUTCOME_OBJECTIVES
 from recursa.distributed.rollouts import make_rollouts
 from recursa.engines import make_engine
@@ -49,13 +50,20 @@ def train_seeds(cfg, step: int) -> list[int]:
     return [split_seed("train", rng.randrange(10_000_000)) for _ in range(cfg.train.prompts_per_step)]
 
 
-def step_outcomes(cfg, played) -> Outcomes | None:
-    """What the sequence objectives ('rebel', 'nft', 'apo') read of each sequence's outcome; None for the others."""
+def step_outcomes(cfg, played, seeds=None, reference=None) -> Outcomes | None:
+    """What the sequence objectives ('rebel', 'nft', 'apo') read of each sequence's outcome; None for the others.
+    `reference` (recursa.apo_reference.ReferenceSample, algo.apo_values = 'reference'): A*-PO's V*
+    of each of the step's task `seeds` from the stored sample of the reference policy."""
     if cfg.algo.objective not in OUTCOME_OBJECTIVES:
         return None
     B, G = played.rewards.shape
+    values = None
+    if reference is not None:
+        if seeds is None or len(seeds) != B:
+            raise ValueError(f"V* from the reference sample needs the step's {B} task seeds, got {None if seeds is None else len(seeds)}")
+        values = reference.values(seeds, cfg.algo.apo_value_beta)  # (B,)
     return Outcomes(played.rewards, torch.tensor(played.success, dtype=torch.float32, device="cpu").view(B, G),
-                    torch.tensor(played.row_seq, dtype=torch.long, device="cpu"))
+                    torch.tensor(played.row_seq, dtype=torch.long, device="cpu"), values)
 
 
 @dataclass
@@ -95,9 +103,10 @@ def train_loop(recipe: Recipe, cfg, out: Path, resume: bool = False, progress: P
     run = recipe.open(cfg, out, resume, log)
     pool, store, policy, optimizer = run.pool, run.store, run.policy, run.optimizer
     start_step, opt_step = run.start_step, run.opt_steps
+    reward_set = recipe.rewards(cfg, run)  # None: the env's reward alone
+    apo_reference = open_reference_sample(cfg, out, run, reward_set, recipe.system_prompt(cfg, pool), log)  # A*-PO's stage 1 (algo.apo_values = 'reference'), else None
     engine = make_engine(cfg.rollout, policy)  # samples rollouts and decodes evaluations
     rollouts = make_rollouts(cfg, policy, pool, log, engine)  # in this process (through the engine), or on Ray workers
-    reward_set = recipe.rewards(cfg, run)  # None: the env's reward alone
     ctx = RunContext(cfg, run, engine, rollouts, reward_set, log, progress)
     methods = open_methods(recipe.methods, ctx, user)
     methods.open()
@@ -138,7 +147,7 @@ def train_loop(recipe: Recipe, cfg, out: Path, resume: bool = False, progress: P
         shaping = methods.shape(s, batch, played)
         t.shaped = time.perf_counter()
         # 5. update (+ the methods' loss terms), then 6. publish the new weights to the engine
-        st = recipe.update(policy, optimizer, batch, cfg, gen, opt_step, shaping.imitation, learner=run.learner, outcomes=step_outcomes(cfg, played),
+        st = recipe.update(policy, optimizer, batch, cfg, gen, opt_step, shaping.imitation, learner=run.learner, outcomes=step_outcomes(cfg, played, seeds, apo_reference),
                     anchor=methods.update_term(), distillation=shaping.distillation)
         check_finite(step + 1, loss=st.loss, grad_norm=st.grad_norm)
         opt_step += st.opt_steps
