@@ -14,10 +14,61 @@ REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "benchmarks" / "vs_trl.py"
 
 
+def _vs_trl():
+    spec = importlib.util.spec_from_file_location("vs_trl", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _check_run_table(data: dict, md: str, entries: list[str], pairs: list[str], repeats: int, whole_steps: int) -> None:
+    """One run's table: its entries alternated repeat by repeat (step runs, then whole runs, per
+    setting), the host's matmul rate probed at both ends and printed in the header, each ratio
+    recomputed by hand from the runs' own times (per repeat, median, range), and the whole-run
+    column filled from the whole runs."""
+    import statistics
+
+    meta, machine, res = data["meta"], data["machine"], data["short"]
+    assert meta["repeats"] == repeats and meta["whole_run_steps"] == whole_steps and meta["frameworks"] == entries
+    sched = meta["schedule"]
+    assert len(sched) == 2 * repeats * len(entries)
+    for rep in range(repeats):
+        order = entries if rep % 2 == 0 else entries[::-1]
+        mine = [e for e in sched if e["repeat"] == rep]
+        assert [e["framework"] for e in mine] == order + order and [e["run"] for e in mine] == ["steps"] * len(order) + ["whole"] * len(order)
+    assert [e["repeat"] for e in sched] == sorted(e["repeat"] for e in sched)  # a repeat ends before the next begins
+    mm0, mm1 = machine["matmul_start"]["best_gflops"], machine["matmul_end"]["best_gflops"]
+    assert mm0 > 0 and mm1 > 0 and machine["matmul_gflops"] == max(mm0, mm1)
+    assert f"{mm0:.1f} GFLOP/s at the start, {mm1:.1f} at the end" in md
+    orders = "; ".join(f"repeat {r + 1}: {', '.join(entries if r % 2 == 0 else entries[::-1])}" for r in range(repeats))
+    assert orders in md
+    header = next(line for line in md.splitlines() if line.startswith("| setting | framework |"))
+    assert header.endswith(f"| whole run s ({whole_steps} steps) |")
+    for fw in entries:
+        walls = res[fw]["whole_run_s_all"]
+        assert walls == [e["wall_s"] for e in sched if e["framework"] == fw and e["run"] == "whole"] and len(walls) == repeats and min(walls) > 0
+        assert res[fw]["whole_run_s"] == statistics.median(walls)
+        assert len(res[fw]["s_per_step_all"]) == repeats
+    assert sorted(res["ratios"]) == sorted(pairs)
+    for pair in pairs:
+        fw, base = pair.split(" vs ")
+        for key, ent, bas in (
+            ("s_per_step", [statistics.median(r[1:]) for r in res[fw]["s_per_step_all"]], [statistics.median(r[1:]) for r in res[base]["s_per_step_all"]]),
+            ("whole_run", res[fw]["whole_run_s_all"], res[base]["whole_run_s_all"]),
+        ):
+            sp = res["ratios"][pair][key]
+            by = [b / e for b, e in zip(bas, ent)]
+            assert sp["by_repeat"] == pytest.approx(by) and sp["n"] == repeats
+            assert sp["median"] == pytest.approx(statistics.median(by)) and (sp["min"], sp["max"]) == pytest.approx((min(by), max(by)))
+        row = next(line for line in md.splitlines() if line.startswith(f"| short | {pair} |"))
+        st, wr = res["ratios"][pair]["s_per_step"], res["ratios"][pair]["whole_run"]
+        assert f"**{st['median']:.2f}x** [{st['min']:.2f}-{st['max']:.2f}]" in row and f"**{wr['median']:.2f}x** [{wr['min']:.2f}-{wr['max']:.2f}]" in row
+
+
 @pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="trl is not installed (pip install -e .[bench])")
 def test_vs_trl_smoke(tmp_path):
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--smoke", "--recursa-decode", "bfloat16", "--out", str(tmp_path)],
+        [sys.executable, str(SCRIPT), "--smoke", "--recursa-decode", "bfloat16", "--repeats", "2", "--whole-run-steps", "2", "--out", str(tmp_path)],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -48,6 +99,9 @@ def test_vs_trl_smoke(tmp_path):
     # the bfloat16-decode entry is compared with TRL and with float32 recursa
     assert res["speedup_variants"]["recursa-bfloat16"] > 0 and res["speedup_vs_recursa"]["recursa-bfloat16"] > 0
     assert "recursa-bfloat16: speedup" in (tmp_path / "vs_trl.md").read_text()
+    # TRL alternated with both recursa entries, the ratios of each over TRL (and of the copy over float32) with their spread
+    _check_run_table(data, (tmp_path / "vs_trl.md").read_text(), ["recursa", "recursa-bfloat16", "trl"],
+                     ["recursa vs trl", "recursa-bfloat16 vs trl", "recursa-bfloat16 vs recursa"], repeats=2, whole_steps=2)
 
 
 def test_vs_trl_decode_variant_is_its_own_entry(tmp_path):
@@ -55,10 +109,13 @@ def test_vs_trl_decode_variant_is_its_own_entry(tmp_path):
     (rollout.decode_dtype) and reports it beside float32 recursa: its own timings, and the
     sampler's log-prob gap to the float32 trainer, which is 0 (to rounding) for float32 and
     larger for the copy. Runs without TRL (--recursa-only)."""
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--recursa-only", "--recursa-decode", "bfloat16", "--out", str(tmp_path)],
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--recursa-only", "--recursa-decode", "bfloat16", "--repeats", "2", "--whole-run-steps", "2",
+                           "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    res = json.loads((tmp_path / "vs_trl.json").read_text())["short"]
+    data = json.loads((tmp_path / "vs_trl.json").read_text())
+    res = data["short"]
+    # two repeats, alternated; whole `recursa train` runs of 2 steps; the copy's ratio over float32 with its spread
+    _check_run_table(data, (tmp_path / "vs_trl.md").read_text(), ["recursa", "recursa-bfloat16"], ["recursa-bfloat16 vs recursa"], repeats=2, whole_steps=2)
     fp32, bf16 = res["recursa"], res["recursa-bfloat16"]
     assert bf16["median_s_per_step"] > 0 and len(bf16["reward_curve"]) == len(fp32["reward_curve"])
     assert bf16["mean_prompt_tokens"] == fp32["mean_prompt_tokens"]  # the same prompts
@@ -66,6 +123,72 @@ def test_vs_trl_decode_variant_is_its_own_entry(tmp_path):
     assert res["trl"] is None and res["speedup_variants"] == {"recursa-bfloat16": None}
     assert res["speedup_vs_recursa"]["recursa-bfloat16"] > 0
     assert "| short | recursa-bfloat16 |" in (tmp_path / "vs_trl.md").read_text()
+
+
+def test_vs_trl_whole_run_is_the_step_benchmarks_config():
+    """The whole run `recursa train` plays is the step benchmark's config (the agent setting's env
+    named as a factory, no held-out evaluation), and its prompts are TRL's dataset, step by step."""
+    import tomllib
+
+    from recursa.config import load_config
+    from recursa.recipes.grpo import train_seeds
+
+    vt = _vs_trl()
+    for name in ("short", "agent"):
+        spec = dict(vt.SETTINGS[name], decode_dtype="bfloat16")
+        cfg = vt.recursa_config(spec, "tiny-random", 3)
+        toml = vt.whole_run_toml(spec, "tiny-random", 3)
+        whole = load_config(None, [f"{k}={v}" for k, v in _flatten(tomllib.loads(toml)).items()], check=False)  # the factory imports with benchmarks/ on PYTHONPATH
+        a, b = cfg.model_dump(), whole.model_dump()
+        assert b["eval"]["before"] is False and b["eval"]["after"] is False
+        assert b["env"]["name"] == ("arithmetic" if name == "short" else vt.AGENT_ENV_FACTORY)
+        for d in (a, b):
+            d["env"].pop("name")
+            d.pop("eval")
+        assert a == b and b["rollout"]["decode_dtype"] == "bfloat16" and b["train"]["steps"] == 3
+        rows = vt.trl_rows(spec, 3)
+        assert [r["seed"] for r in rows] == [s for k in range(3) for s in train_seeds(whole, k)]
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    import json as _json
+
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and k != "kwargs":
+            out.update(_flatten(v, f"{prefix}{k}."))
+        elif k == "kwargs":
+            out[f"{prefix}{k}"] = "{" + ", ".join(f"{kk} = {_json.dumps(vv)}" for kk, vv in v.items()) + "}"
+        else:
+            out[f"{prefix}{k}"] = _json.dumps(v)
+    return out
+
+
+def test_vs_trl_ratios_and_header_by_hand():
+    """vs_trl's ratio spread and table on hand-made numbers: per repeat, median and range; a
+    missing run leaves its repeat out; a matmul rate that moved by more than 10% is flagged."""
+    vt = _vs_trl()
+    assert vt.ratio_by_repeat([6.0, 9.0, 4.0], [2.0, 3.0, None]) == [3.0, 3.0, None]
+    sp = vt.spread([3.0, 2.0, None, 5.0])
+    assert (sp["median"], sp["min"], sp["max"], sp["n"]) == (3.0, 2.0, 5.0, 3) and vt.spread([None]) is None
+    sched = [{"repeat": r, "setting": "short", "framework": fw, "run": run} for r, order in enumerate((["recursa", "trl"], ["trl", "recursa"]))
+             for run in ("steps", "whole") for fw in order]
+    assert vt.run_orders(sched) == [["recursa", "trl"], ["trl", "recursa"]]
+    row = {"mean_prompt_tokens": 35.0, "warmup_s_per_step": 2.0, "median_s_per_step": 1.0, "median_rollout_s": 0.5, "median_update_s": 0.5,
+           "gen_tokens_per_s": 10.0, "trained_tokens_per_s": 100.0, "peak_rss_mb": 400.0, "mfu_gen": 0.1, "mfu_update": 0.2, "reward_curve": [0.5]}
+    ratios = {"recursa vs trl": {"s_per_step": vt.spread([3.0, 2.0]), "whole_run": vt.spread([1.5, 1.25])}}
+    results = {"model": "m", "steps": 3, "repeats": 2, "whole_run_steps": 4, "schedule": sched, "started_utc": "t0", "ended_utc": "t1",
+               "machine": {"torch": "x", "transformers": "y", "trl": "z", "threads": 2, "matmul_start": {"best_gflops": 100.0, "n": 2048, "reps": 5},
+                           "matmul_end": {"best_gflops": 80.0, "n": 2048, "reps": 5}, "matmul_drift": -0.2},
+               "settings": {"short": {"recursa": {**row, "whole_run_s": 10.0}, "trl": {**row, "whole_run_s": 14.0}, "ratios": ratios}}}
+    md = vt.markdown(results)
+    assert "100.0 GFLOP/s at the start, 80.0 at the end** (-20%)" in md and "read the timings with care" in md
+    assert "repeat 1: recursa, trl; repeat 2: trl, recursa" in md
+    rows = {line.split(" | ")[1]: line for line in md.splitlines() if line.startswith("| short | ") and " vs " not in line}
+    assert rows["recursa"].endswith("| 0.500 | 10.0 |") and rows["trl"].endswith("| 0.500 | 14.0 |") and "| whole run s (4 steps) |" in md
+    assert "| short | recursa vs trl | 3.00, 2.00 | **2.50x** [2.00-3.00] | 1.50, 1.25 | **1.38x** [1.25-1.50] |" in md
+    results["machine"]["matmul_end"]["best_gflops"], results["machine"]["matmul_drift"] = 95.0, -0.05
+    assert "read the timings with care" not in vt.markdown(results)
 
 
 def test_vs_trl_without_trl_exits_2(tmp_path):
@@ -364,6 +487,7 @@ def test_limits_reports_each_stage_against_its_bound(tmp_path):
     for row in res["table"]:
         assert all(math.isfinite(row[k]) and row[k] > 0 for k in ("measured", "bound", "fraction")), row
         assert math.isclose(row["fraction"], row["measured"] / row["bound"], rel_tol=1e-9)
+    assert all(rec["matmul_before"] > 0 for rec in res["decode"] + res["update"] + [res["prefill"]])
     kv = 2 * sh["layers"] * sh["kv_heads"] * sh["head_dim"]  # elements per position
     attn = 4 * sh["layers"] * sh["heads"] * sh["head_dim"]  # forward FLOPs per (query, key) pair
     for rec in res["decode"]:
