@@ -13,6 +13,8 @@ with the run's reward (the env's, or the [[reward]] sum) and appends one JSON li
 to `<run dir>/apo_reference.jsonl`, flushed and fsynced before the step trains. A resumed run
 reads the file back and samples only the seeds it lacks, so nothing is sampled twice and a
 killed run loses at most the line it was writing (a partial last line is dropped on open).
+The lines carry no step: a resume's truncation of the logs after the checkpoint keeps them (a
+sample of pi_ref is valid at any step), and `--overwrite` deletes the file with the run's own.
 
 The sample of a task is a pure function of (train.seed, the task seed, pi_ref): each task's k
 replies come from their own generator, seeded from those two, never from the step generator,
@@ -27,7 +29,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -36,6 +37,7 @@ import torch
 from recursa.algorithms.objectives import reference_values
 from recursa.errors import UserError
 from recursa.generation import SamplingParams, generate, generators_from
+from recursa.runio import append_line
 
 FILE = "apo_reference.jsonl"
 
@@ -128,10 +130,7 @@ class ReferenceSample:
             lines.append(json.dumps({"seed": seed, "k": self.k, "rewards": rewards}) + "\n")
             self.rewards[seed] = rewards
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write("".join(lines))
-            f.flush()
-            os.fsync(f.fileno())
+        append_line(self.path, "".join(lines), point="apo_reference")  # one synced write (RECURSA_FAULT_AT=apo_reference.torn tears it)
         self.sampled += len(seeds)
 
 

@@ -333,7 +333,7 @@ class RunLock:
 # ----------------------------------------------------------------------------- --overwrite
 
 _RUN_FILES = ("config.toml", "metrics.jsonl", "samples.jsonl", "ledger.sqlite", "ledger.sqlite-journal", "ledger.sqlite-wal",
-              "ledger.sqlite-shm", "report.md", "demos.json")
+              "ledger.sqlite-shm", "report.md", "demos.json", "apo_reference.jsonl")  # apo_reference: A*-PO's stage-1 sample (no step tags)
 _RUN_DIRS = ("eval", "checkpoints", "incumbents", "plots", "tb")
 
 

@@ -49,38 +49,18 @@ def test_a_cut_off_last_line_is_dropped_and_another_k_is_refused(tmp_path):
 
 # ---------------------------------------------------------------------------- the tiny model, end to end
 
-class DigitShareEnv:
-    """Single-turn toy task: reward = the share of digit characters in the reply (success: any digit)."""
-
-    name = "toy-digitshare"
-    system_prompt = None
-
-    def reset(self, seed: int) -> str:
-        return f"Write a number. Item {seed % 10}."
-
-    def step(self, action_text: str):
-        from recursa.envs import StepResult
-
-        text = action_text or ""
-        frac = sum(c.isdigit() for c in text) / max(len(text), 1)
-        return StepResult("", frac, True, {"success": frac > 0})
-
-
 def _sets(*more):
-    return ["model.name=tiny-random", "run.threads=1", "env.name=toy-digitshare", "sampling.max_new_tokens=6", "train.steps=2",
+    return ["model.name=tiny-random", "run.threads=1", "env.name=toy-digits", "sampling.max_new_tokens=6", "train.steps=2",
             "train.prompts_per_step=2", "train.group_size=3", "train.micro_batch_size=6", "train.lr=1e-2", "eval.n=0",
             "run.checkpoint_every=1", "algo.objective=apo", "algo.apo_values=reference", "algo.apo_reference_k=3", *more]
 
 
 @pytest.fixture
 def toy(monkeypatch):
-    """The toy env registered; every update's V* (and each stage-1 sampling's seeds) recorded."""
+    """Every update's V* (and each stage-1 sampling's seeds) recorded; the task is conftest's
+    toy-digits (reward: the share of digit characters in the reply)."""
     import recursa.apo_reference as apo_reference
     import recursa.recipes.grpo as grpo
-    from recursa.envs import base
-
-    monkeypatch.setattr(base.ENVS, "_registered", dict(base.ENVS._registered))
-    base.register_env("toy-digitshare", DigitShareEnv, "test")
     seen = {"values": [], "rewards": [], "sampled": [], "runs": [], "kill_at": None}
     update, sample, open_ = grpo.update, apo_reference.ReferenceSample.sample, grpo.GRPO.open
 
@@ -135,6 +115,11 @@ def test_two_steps_write_the_sample_and_train_on_its_values(tmp_path, toy):
         assert values == pytest.approx([_v(stored[s], 0.5) for s in step_seeds], abs=1e-12)
     # ... and not the group's own: V* of the on-policy rewards differs somewhere
     assert any(v != pytest.approx(_v(g, 0.5), abs=1e-9) for vs, rs in zip(toy["values"], toy["rewards"]) for v, g in zip(vs, rs))
+    # --overwrite deletes the sample with the run's other files (a new run must not read an old pi_ref's)
+    from recursa.runio import remove_run_files
+
+    remove_run_files(run)
+    assert not (run / FILE).exists()
 
 
 def test_the_sample_is_the_reference_policys_whatever_the_training_did(tmp_path, toy):
@@ -172,6 +157,28 @@ def test_a_killed_run_resumes_without_resampling(tmp_path, toy):
     assert (tmp_path / "killed" / FILE).read_bytes() == before  # the file unchanged
     assert toy["values"][2] == ref_values[1]  # step 2 again, on the same V*
     assert any("reference samples read back" in line for line in logs)
+
+
+@pytest.mark.parametrize("fault", ["apo_reference.torn@2", "apo_reference.appended@2"])
+def test_a_sigkill_while_storing_the_sample_then_resume_equals_the_uninterrupted_run(tmp_path, fault):
+    """SIGKILL with half of step 2's stage-1 lines written (torn), or just after they were synced
+    (appended): `train --resume` ends with the uninterrupted run's sample file and metrics."""
+    from tests.test_faults import TIME_KEYS, _runner
+
+    config = tmp_path / "apo.toml"
+    config.write_text("")  # every setting comes from the --set list
+    sets = [str(config), *(x for kv in _sets() for x in ("--set", kv))]
+    ref, run = tmp_path / "ref", tmp_path / "killed"
+    out = _runner([{"argv": ["train", "--out", str(ref), *sets]}, {"argv": ["train", "--out", str(run), *sets], "fault": fault},
+                   {"argv": ["train", "--resume", str(run)]}])
+    assert out[0] == {"exit": 0, "killed": False} and out[1]["killed"] and out[2] == {"exit": 0, "killed": False}, out
+    assert (run / FILE).read_bytes() == (ref / FILE).read_bytes()
+
+    def metrics(d):
+        rows = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+        return [{k: v for k, v in r.items() if not k.startswith(TIME_KEYS)} for r in rows]
+
+    assert metrics(run) == metrics(ref)
 
 
 def test_a_multi_turn_game_is_refused_in_one_line(tmp_path, monkeypatch):
