@@ -125,7 +125,8 @@ class EnvConfig(_Section):
     name: str = Field(
         "arithmetic",
         description="task spec: a built-in ('arithmetic', 'household', 'rg:<reasoning-gym dataset>', 'twx:<game>', 'textworld:<generator>'), "
-        "your own factory 'pkg.module:make_env' (returns an object following recursa's Env or AgentEnv protocol), or a name an installed "
+        "your own factory 'pkg.module:make_env' (returns an object following recursa's Env or AgentEnv protocol), an agent harness "
+        "written against the OpenAI client 'harness:pkg.module:fn' (needs agent.episode = 'chat'; docs/serve.md), or a name an installed "
         "package registers under the `recursa.envs` entry-point group (see `recursa envs`)",
     )
     kwargs: dict[str, Any] = Field(default_factory=dict, description="task options, e.g. {difficulty = 0}; your own factory is called with them as keywords")
@@ -1038,6 +1039,8 @@ class GRPOConfig(RecipeBase):
         if self.sampling.temperature == 0:
             raise ValueError("sampling.temperature must be > 0 for training (greedy rollouts give no exploration)")
         _check_test_looks(self, self.train.steps)
+        if self.env.name.startswith("harness:") and self.agent.episode != "chat":
+            raise ValueError("env.name = 'harness:...' trains the chat turns the endpoint served: set agent.episode = 'chat' (docs/serve.md)")
         if self.agent.episode == "chat" and self.curriculum.tail.enabled:
             raise ValueError("curriculum.tail trains its hinted turns under prompts rebuilt in turn mode, which chat episodes never show: "
                              "set agent.episode = 'turn', or curriculum.tail.enabled = false (docs/chat.md)")

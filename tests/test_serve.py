@@ -320,3 +320,12 @@ def test_the_harness_spec_and_a_missing_harness():
     with pytest.raises(UserError, match="fix env.kwargs"):
         make_env("harness:test_serve:digits_harness", errors="ignore")
     assert any(name.startswith("harness:") for name, _ in list_envs())
+
+
+def test_a_harness_env_in_turn_mode_is_a_config_error():
+    """env.name = 'harness:...' needs chat episodes; the config says so before any run directory exists."""
+    from recursa.config import load_config
+    from recursa.errors import UserError
+
+    with pytest.raises(UserError, match="set agent.episode = 'chat'"):
+        load_config(None, ["model.name=tiny-random", 'env.name="harness:test_serve:digits_harness"', 'agent.episode="turn"'])
