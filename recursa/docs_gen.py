@@ -95,6 +95,10 @@ def _type_name(ann: Any) -> str:
     args = typing.get_args(ann)
     if origin is Literal:
         return " \\| ".join(f"`{_toml_value(a)}`" for a in args)
+    if origin is typing.Annotated:  # e.g. Annotated[float, Field(gt=0)] inside a union: the type and its bounds
+        bounds = [f"{sym} {getattr(meta, key)}" for m in args[1:] for meta in getattr(m, "metadata", [m])
+                  for key, sym in (("gt", ">"), ("ge", "≥"), ("lt", "<"), ("le", "≤")) if getattr(meta, key, None) is not None]
+        return _type_name(args[0]) + (f" ({', '.join(bounds)})" if bounds else "")
     if origin in (typing.Union, types.UnionType):
         rest = [a for a in args if a is not type(None)]
         name = " \\| ".join(_type_name(a) for a in rest)
