@@ -136,7 +136,7 @@ class Shape:
     body: int  # parameters outside the input embedding and the vocabulary projection
 
     @classmethod
-    def of(cls, causal_lm) -> "Shape":
+    def of(cls, causal_lm) -> Shape:
         cfg = causal_lm.config
         layers, kv_heads, head_dim = _kv_shape(cfg)
         emb, head = causal_lm.get_input_embeddings().weight, causal_lm.get_output_embeddings().weight
@@ -207,9 +207,8 @@ def household_episodes(cfg, policy):
     played by a random agent through the training rollout's prompt rendering; and the seconds."""
     pool = EnvPool(lambda: make_env(cfg.env.name, **cfg.env.kwargs))
     sampling = SamplingParams(cfg.sampling.max_new_tokens, cfg.sampling.temperature, cfg.sampling.top_p, tuple(cfg.sampling.stop))
-    B, G = cfg.train.prompts_per_step, cfg.train.group_size
     t = time.perf_counter()
-    ero = rollout_episodes(policy, pool, train_seeds(cfg, 0), G, sampling, step_generator(cfg.train.seed, 0), cfg.model.system_prompt,
+    ero = rollout_episodes(policy, pool, train_seeds(cfg, 0), cfg.train.group_size, sampling, step_generator(cfg.train.seed, 0), cfg.model.system_prompt,
                            cfg.agent, engine=RandomAdmissible(policy.tokenizer, cfg.train.seed))
     dt = time.perf_counter() - t
     pool.close()
@@ -221,7 +220,7 @@ def household_episodes(cfg, policy):
 
 def _forward(base, slots: SlotKV, ids: torch.Tensor, starts: torch.Tensor, cache_kw: str):
     """The engine's forward of `ids  # (n, s)` into slots 0..n-1 at columns starts..starts+s-1."""
-    n, s = ids.shape
+    s = ids.shape[1]
     slots.begin_prefill(0, starts, s)
     positions = starts[:, None] + torch.arange(s)  # (n, s)
     mask = (torch.arange(slots.width)[None, None, :] <= positions[:, :, None])[:, None]  # (n, 1, s, W) causal
