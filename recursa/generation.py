@@ -167,6 +167,19 @@ def _sample_next(logits: torch.Tensor, params: SamplingParams, uniforms: torch.T
 
 
 @torch.no_grad()
+def check_context(causal_lm: torch.nn.Module, prompt_len: int, max_new_tokens: int) -> None:
+    """A prompt that with its completion cap does not fit the model's positions
+    (`config.max_position_embeddings`, e.g. `model.tiny.max_positions`) is a one-line error,
+    not a silent run past the positions the model was built for."""
+    limit = getattr(getattr(causal_lm, "config", None), "max_position_embeddings", None)
+    if isinstance(limit, int) and prompt_len + max_new_tokens > limit:
+        from recursa.errors import UserError
+
+        raise UserError(f"a prompt of {prompt_len} tokens plus sampling.max_new_tokens = {max_new_tokens} passes the model's {limit} positions "
+                        "(max_position_embeddings; model.tiny.max_positions for the tiny model): shorten the prompt (agent.history_turns, "
+                        "agent.max_obs_chars) or lower sampling.max_new_tokens")
+
+
 def generate(
     causal_lm: torch.nn.Module,
     tokenizer,
@@ -189,6 +202,7 @@ def generate(
     eos_ids = eos_token_ids(tokenizer, causal_lm)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos_ids))
 
+    check_context(causal_lm, max(len(p) for p in prompts), params.max_new_tokens)
     device = model_device(causal_lm)
     ids, mask = left_pad(prompts, pad_id, device)  # (B, P)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)

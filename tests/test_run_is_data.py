@@ -455,6 +455,14 @@ def test_more_bad_inputs_are_one_line_exit_2_and_write_nothing(tmp_path, capsys,
     assert not (tmp_path / "run").exists()
 
 
+def test_max_positions_shorter_than_the_prompts_is_one_line_exit_2(tmp_path, capsys):
+    """model.tiny.max_positions below prompt + completion: the first sampling call says so in one
+    line (before: the tiny model's rotary positions ran past it silently)."""
+    assert main(["train", SMOKE, "--out", str(tmp_path / "run"), "--set", "model.tiny.max_positions=8"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "passes the model's 8 positions" in err and "sampling.max_new_tokens" in err, err
+
+
 BROKEN_ENVS = '''
 class NumberReset:
     name = "number_reset"

@@ -49,7 +49,7 @@ from typing import Hashable
 
 import torch
 
-from recursa.generation import GenerationStats, Sample, SamplingParams, _cache_kwarg, _hits_stop, _sample_next, model_device, uniform_source
+from recursa.generation import GenerationStats, Sample, SamplingParams, _cache_kwarg, _hits_stop, _sample_next, check_context, model_device, uniform_source
 
 
 def _kv_shape(config) -> tuple[int, int, int]:
@@ -258,6 +258,7 @@ class ContinuousBatcher:
     def submit(self, key: Hashable, prompt: list[int], generator: torch.Generator | None = None, front: bool = False) -> None:
         if not prompt:
             raise ValueError("a prompt needs at least one token")
+        check_context(self.lm, len(prompt), self.params.max_new_tokens)
         draw = uniform_source(generator, self.device) if self.params.temperature > 0 else None
         req = _Request(key, list(prompt), draw)
         (self.waiting.appendleft if front else self.waiting.append)(req)
