@@ -50,7 +50,7 @@ from recursa.engines import NativeEngine, RolloutEngine
 from recursa.envs.base import Env, EnvPool, as_pool, is_agent_env, system_prompt_of  # noqa: F401  (is_agent_env: re-exported)
 from recursa.generation import GenerationStats, Generators, SamplingParams, group_generators
 from recursa.models import Policy
-from recursa.trajectory import Episode, Trajectory, Turn
+from recursa.trajectory import Episode, EpisodeRollout, Trajectory, Turn  # noqa: F401  (EpisodeRollout re-exported: callers import it from here)
 
 
 @dataclass
@@ -168,12 +168,6 @@ def rollout(
         )
     return RolloutResult(trajectories, stats)
 
-
-@dataclass
-class EpisodeRollout:
-    episodes: list[Episode]  # grouped: group i holds indices [i*G, (i+1)*G)
-    stats: GenerationStats
-    turns: int = 0  # batched generation calls
 
 
 def rollout_episodes(

@@ -68,7 +68,7 @@ from recursa.envs.tools import _BLOCK, Tool, has_tool_call, parse_tool_calls
 from recursa.errors import UserError
 from recursa.generation import GenerationStats, SamplingParams, eos_token_ids, group_generators
 from recursa.registry import import_object, one_line
-from recursa.trajectory import Episode, Turn
+from recursa.trajectory import Episode, EpisodeRollout, Turn
 
 __all__ = ["MODEL", "HarnessEnv", "PolicyServer", "RequestError", "ServedEpisode", "harness_env", "harness_rollout"]
 
@@ -697,7 +697,6 @@ def harness_rollout(policy, envs, seeds: list[int], group_size: int, sampling: S
     Random streams as chat episodes: one per episode, drawn from the seed's (or from the one
     generator); greedy sampling uses none. `system_prompt` is the harness's business, not used."""
     from recursa.envs.base import as_pool
-    from recursa.rollout import EpisodeRollout
 
     n = len(seeds) * group_size
     pool = as_pool(envs).take(n)

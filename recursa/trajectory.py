@@ -169,3 +169,12 @@ class Episode:
                 )
             )
         return out
+
+
+@dataclass
+class EpisodeRollout:
+    """What a game rollout returns (`recursa.rollout.rollout_episodes`, the harness endpoint's `recursa.serve.harness_rollout`)."""
+
+    episodes: list[Episode]  # grouped: group i holds indices [i*G, (i+1)*G)
+    stats: object  # a recursa.generation.GenerationStats (not imported: this module stays free of the sampler)
+    turns: int = 0  # batched generation calls

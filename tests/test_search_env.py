@@ -19,12 +19,12 @@ from test_chat import Scripted
 def test_bm25_by_hand():
     index = BM25(["a b", "a c c", "d"])  # N = 3, avgdl = 2
     idf_a, idf_c = math.log(1 + 1.5 / 2.5), math.log(1 + 2.5 / 1.5)
-    assert index.idf("a") == pytest.approx(idf_a) and index.idf("c") == pytest.approx(idf_c)
+    assert index.idf["a"] == pytest.approx(idf_a) and index.idf["c"] == pytest.approx(idf_c)
     # tf (k1 + 1) / (tf + k1 (1 - b + b dl / avgdl)), k1 = 1.5, b = 0.75
     assert index.scores("c") == pytest.approx([0.0, idf_c * 2 * 2.5 / (2 + 1.5 * (0.25 + 0.75 * 1.5)), 0.0])
     assert index.scores("a") == pytest.approx([idf_a * 1.0, idf_a * 2.5 / (1 + 1.5 * (0.25 + 0.75 * 1.5)), 0.0])
     assert index.scores("A, a!") == index.scores("a")  # case, punctuation and repeats do not count
-    assert index.top("a c", 2) == [1, 0] and index.top("zzz", 3) == []
+    assert [i for i, _ in index.top_k("a c", 2)] == [1, 0] and index.top_k("zzz", 3) == []
 
 
 def test_a_world_is_a_pure_function_of_the_seed_and_needs_a_search():

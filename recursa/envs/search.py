@@ -25,12 +25,10 @@ find it (the person's name, then the town's with the word "province").
 
 from __future__ import annotations
 
-import math
 import random
-import re
-from collections import Counter
 
 from recursa.answers import extract_answer
+from recursa.bm25 import BM25Index, words
 from recursa.envs.protocol import StepResult
 from recursa.envs.tools import Tool
 
@@ -39,45 +37,14 @@ _VOWELS = ["a", "e", "i", "o", "u", "ae", "ei", "ou"]
 _CODAS = ["", "", "n", "r", "l", "s", "th", "x", "m", "nd", "rk"]
 _TRADES = ["glassblower", "cartographer", "beekeeper", "clockmaker", "ferryman", "weaver", "astronomer", "cooper", "herbalist", "mason"]
 _GOODS = ["salt", "amber", "wool", "copper", "figs", "slate", "honey", "linen", "pearls", "rye"]
-_TOKEN = re.compile(r"[a-z0-9]+")
 
 
-def tokenize(text: str) -> list[str]:
-    """Lower-cased runs of letters and digits."""
-    return _TOKEN.findall(text.lower())
+tokenize = words  # every word counts in a search (no stopwords)
 
 
-class BM25:
-    """Okapi BM25 over a list of texts (Lucene's idf, which is never negative)."""
-
-    def __init__(self, texts: list[str], k1: float = 1.5, b: float = 0.75):
-        self.k1, self.b = k1, b
-        self.docs = [Counter(tokenize(t)) for t in texts]
-        self.lengths = [sum(d.values()) for d in self.docs]
-        self.avgdl = sum(self.lengths) / max(len(self.docs), 1)
-        self.df = Counter(term for d in self.docs for term in d)
-
-    def idf(self, term: str) -> float:
-        n, df = len(self.docs), self.df.get(term, 0)
-        return math.log(1.0 + (n - df + 0.5) / (df + 0.5))
-
-    def scores(self, query: str) -> list[float]:
-        """Each text's score for `query` (each distinct query term counted once)."""
-        terms = set(tokenize(query))
-        out = []
-        for doc, length in zip(self.docs, self.lengths):
-            s = 0.0
-            for term in terms:
-                tf = doc.get(term, 0)
-                if tf:
-                    s += self.idf(term) * tf * (self.k1 + 1) / (tf + self.k1 * (1 - self.b + self.b * length / self.avgdl))
-            out.append(s)
-        return out
-
-    def top(self, query: str, k: int) -> list[int]:
-        """The indices of the `k` best texts with a positive score, best first (ties: lower index first)."""
-        scored = [(-s, i) for i, s in enumerate(self.scores(query)) if s > 0]
-        return [i for _, i in sorted(scored)[:k]]
+def BM25(texts: list[str], k1: float = 1.5, b: float = 0.75) -> BM25Index:
+    """The search tool's index over `texts`: `recursa.bm25.BM25Index` with every word a term."""
+    return BM25Index(k1, b, tokenize=words).build(texts)
 
 
 def _name(rng: random.Random, syllables: int) -> str:
@@ -115,7 +82,7 @@ class SearchEnv:
             raise ValueError("people, towns, provinces and k must be at least 1")
         self.hops, self.n_people, self.n_towns, self.n_provinces, self.k = hops, people, towns, provinces, k
         self.articles: list[str] = []
-        self.index: BM25 | None = None
+        self.index: BM25Index | None = None
         self.task, self.answer, self.person, self.town = "", "", "", ""
         self.searches = 0
 
@@ -145,7 +112,7 @@ class SearchEnv:
     def search(self, query: str) -> str:
         """The best articles for `query`, one per line, or a line saying none matched."""
         self.searches += 1
-        hits = self.index.top(query, self.k) if self.index is not None else []
+        hits = [i for i, _ in self.index.top_k(query, self.k)] if self.index is not None else []
         if not hits:
             return f"no article matches {query!r}"
         return "\n".join(f"[{i}] {self.articles[i]}" for i in hits)

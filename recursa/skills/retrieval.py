@@ -1,17 +1,5 @@
-"""Retrieve the skills relevant to a task: Okapi BM25 (default) or embedding similarity.
-
-BM25 (Robertson and Zaragoza 2009, "The Probabilistic Relevance Framework: BM25 and
-Beyond") scores document D for query Q as
-
-    score(D, Q) = sum over distinct terms q of Q of
-                  idf(q) * f(q, D) * (k1 + 1) / (f(q, D) + k1 * (1 - b + b * |D| / avgdl))
-    idf(q)      = ln(1 + (N - n(q) + 0.5) / (n(q) + 0.5))
-
-with f(q, D) the count of q in D, |D| the length of D in terms, avgdl the mean length
-over the N documents, n(q) the number of documents that contain q; k1 = 1.5, b = 0.75.
-Departure from the classic idf ln((N - n + 0.5) / (n + 0.5)): the "+ 1" inside the log
-(Lucene's form) keeps idf positive, so a term found in more than half of a small
-library still counts for, not against, a skill.  Query terms count once each.
+"""Retrieve the skills relevant to a task: Okapi BM25 (default; `recursa.bm25`, where the formula
+is) or embedding similarity.
 
 Tokens are lowercase runs of letters and digits, minus a few stopwords; "not", "no"
 and "never" are kept on purpose, since avoidance rules hinge on them.
@@ -24,13 +12,12 @@ so nothing is downloaded at run time).  It is used only when asked for.
 from __future__ import annotations
 
 import functools
-import math
-import re
-from collections import Counter
 from typing import Callable
 
 import numpy as np
 
+from recursa.bm25 import BM25Index as _BM25
+from recursa.bm25 import ranked, words
 from recursa.errors import UserError
 from recursa.skills.library import Skill, SkillLibrary
 
@@ -41,53 +28,16 @@ STOPWORDS = frozenset(
     "this that these those you your i me my we our he she they them then than there here so".split()
 )
 
-_TOKEN_RE = re.compile(r"[a-z0-9]+")
-
 
 def tokenize(text: str) -> list[str]:
-    return [t for t in _TOKEN_RE.findall(text.lower()) if t not in STOPWORDS]
+    return [t for t in words(text) if t not in STOPWORDS]
 
 
-def _ranked(scores: list[float], k: int) -> list[tuple[int, float]]:
-    """The k best (index, score) pairs, highest score first, ties by index."""
-    order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))
-    return [(i, scores[i]) for i in order[: max(k, 0)]]
-
-
-class BM25Index:
-    """Okapi BM25 over a fixed list of documents (formula in the module doc)."""
+class BM25Index(_BM25):
+    """`recursa.bm25.BM25Index` with the skills' tokenizer (stopwords dropped)."""
 
     def __init__(self, k1: float = 1.5, b: float = 0.75):
-        self.k1, self.b = k1, b
-        self.docs: list[Counter] = []  # term counts f(q, D) per document
-        self.lengths: list[int] = []  # |D|
-        self.idf: dict[str, float] = {}
-        self.avgdl = 0.0
-
-    def build(self, docs: list[str]) -> "BM25Index":
-        self.docs = [Counter(tokenize(d)) for d in docs]
-        self.lengths = [sum(c.values()) for c in self.docs]
-        self.avgdl = sum(self.lengths) / len(self.docs) if self.docs else 0.0
-        df = Counter(t for c in self.docs for t in c)
-        n = len(self.docs)
-        self.idf = {t: math.log(1 + (n - m + 0.5) / (m + 0.5)) for t, m in df.items()}
-        return self
-
-    def scores(self, query: str) -> list[float]:
-        """score(D, query) for each document, in document order."""
-        terms = set(tokenize(query)) & self.idf.keys()
-        if not terms:  # also covers an empty index and one of stopwords only (avgdl = 0)
-            return [0.0] * len(self.docs)
-        out = []
-        for doc, length in zip(self.docs, self.lengths):
-            norm = self.k1 * (1 - self.b + self.b * length / self.avgdl)
-            out.append(sum(self.idf[t] * doc[t] * (self.k1 + 1) / (doc[t] + norm) for t in terms if t in doc))
-        return out
-
-    def top_k(self, query: str, k: int) -> list[tuple[int, float]]:
-        """The k best (document index, score) pairs with a positive score (sharing at
-        least one term with the query), highest first."""
-        return [(i, s) for i, s in _ranked(self.scores(query), k) if s > 0]
+        super().__init__(k1, b, tokenize=tokenize)
 
 
 def related(query: str, docs: list[str], k: int, exclude: set[int] | frozenset[int] = frozenset()) -> list[int]:
@@ -96,9 +46,9 @@ def related(query: str, docs: list[str], k: int, exclude: set[int] | frozenset[i
     the rest in index order. (The games a written skill is tried on: the step's other games,
     those whose task reads most like the source's first.)"""
     scores = BM25Index().build(docs).scores(query) if docs else []
-    ranked = [i for i, s in _ranked(scores, len(docs)) if s > 0 and i not in exclude]
-    rest = [i for i in range(len(docs)) if i not in exclude and i not in ranked]
-    return (ranked + rest)[: max(k, 0)]
+    best = [i for i, s in ranked(scores, len(docs)) if s > 0 and i not in exclude]
+    rest = [i for i in range(len(docs)) if i not in exclude and i not in best]
+    return (best + rest)[: max(k, 0)]
 
 
 @functools.lru_cache(maxsize=1)
@@ -143,7 +93,7 @@ class EmbeddingRetriever:
         """The k most similar (document index, cosine) pairs, highest first."""
         if not len(self.matrix):
             return []
-        return _ranked((self.matrix @ self._embed([query])[0]).tolist(), k)
+        return ranked((self.matrix @ self._embed([query])[0]).tolist(), k)
 
 
 @functools.lru_cache(maxsize=1)
