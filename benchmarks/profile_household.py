@@ -76,14 +76,11 @@ def bench_sets(model: str | None, warm: str | None) -> list[str]:
     return sets
 
 
-def matmul_gflops(seconds: float = 1.0) -> float:
-    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
-    a @ b
-    n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        a @ b
-        n += 1
-    return 2 * 1024**3 * n / (time.perf_counter() - t0) / 1e9
+def matmul_gflops() -> float:
+    """The host's fp32 matmul rate (vs_trl's probe), GFLOP/s."""
+    import vs_trl
+
+    return vs_trl.matmul_gflops()["best_gflops"]
 
 
 def batch_stats(batch, micro: int) -> dict:
@@ -138,7 +135,6 @@ def main() -> int:
     for step in range(args.steps):
         seeds = train_seeds(cfg, step)
         rec: dict = {"step": step, "rollout": {}, "update": {}}
-        batch = None
         for k in range(len(paths)):
             path = paths[(k + step) % len(paths)]
             gen = step_generator(cfg.train.seed, step)
@@ -148,7 +144,7 @@ def main() -> int:
             turns = sum(len(e.turns) for e in ero.episodes)
             rec["rollout"][path] = {"s": dt, "episodes": len(ero.episodes), "turns": turns, "won": sum(e.won for e in ero.episodes)}
             print(f"step {step} rollout {path}: {dt:.1f} s, {turns} turns, {rec['rollout'][path]['won']} won", flush=True)
-            if path == paths[0] or batch is None:
+            if path == paths[0]:  # the update variants train on the first path's batch
                 rewards = torch.tensor([e.total_reward for e in ero.episodes], dtype=torch.float32).view(B, G)
                 trajs, row_adv, _ = episode_rows(ero.episodes, compute_advantages(cfg.algo.advantage, rewards), cfg)
                 batch = collate(trajs, row_adv, policy.tokenizer.pad_token_id, policy.device)

@@ -47,12 +47,11 @@ PILOT = [  # the committed grpo@progress+epochs2 runs' settings (benchmarks/resu
 TAG = "@progress+epochs2"
 
 
-def matmul_gflops(seconds: float = 2.0) -> float:
-    """The host's fp32 matmul rate right now (2 threads, 1024^3), GFLOP/s."""
-    code = ("import time, torch; torch.set_num_threads(2); a = torch.randn(1024, 1024); b = torch.randn(1024, 1024); a @ b; n = 0; t = time.perf_counter()\n"
-            f"while time.perf_counter() - t < {seconds}: a @ b; n += 1\n"
-            "print(2 * 1024 ** 3 * n / (time.perf_counter() - t) / 1e9)")
-    return float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+def matmul_gflops() -> float:
+    """The host's fp32 matmul rate right now (vs_trl's probe: 2048^3, best of 5, 2 threads), GFLOP/s."""
+    import vs_trl
+
+    return vs_trl.matmul_gflops()["best_gflops"]
 
 
 def old_tree(commit: str) -> Path:

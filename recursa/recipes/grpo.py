@@ -167,11 +167,11 @@ def update(
     # scoring pass over the batch. Later epochs read them back (`first_epoch_old`); a row is run
     # in every epoch or in none (the live rows do not depend on the epoch). Data-parallel ranks
     # run different rows in different epochs, so they keep the scoring pass.
-    first_epoch = tc.mini_batches == 1 and not sequence_objective and learner.world_size == 1
+    first_epoch = tc.mini_batches == 1 and not sequence_objective and (tc.epochs == 1 or learner.world_size == 1)
     first_epoch_old = None
     if tc.old_logprobs == "sampling":
         logp_old_all = batch.sample_logprobs
-    elif first_epoch or (tc.epochs == 1 and tc.mini_batches == 1 and not sequence_objective):
+    elif first_epoch:
         logp_old_all = None  # on-policy: the current forward, detached, is the old policy
         if tc.epochs > 1:
             first_epoch_old = torch.zeros(batch.action_mask.shape, dtype=torch.float32, device=batch.device)
@@ -216,11 +216,11 @@ def update(
     by_length = _length_order(batch, groups) if tc.mini_batches == 1 else None
     for epoch in range(tc.epochs):
         # shuffle whole prompt groups, so the rows of a group share micro-batches (and prefills)
-        shuffled = torch.cat([groups[int(g)] for g in torch.randperm(len(groups), generator=generator, device="cpu")])  # (N,) on the batch's device
+        perm = torch.randperm(len(groups), generator=generator, device="cpu")
         # One mini-batch: its gradient is the sum over all its rows whatever their order, so the
         # micro-batches are cut from the rows sorted by length instead (the shuffle is still drawn,
         # leaving the generator where it was): rows of similar length pad to less (issue 46)
-        order = shuffled if by_length is None else by_length
+        order = by_length if by_length is not None else torch.cat([groups[int(g)] for g in perm])  # (N,) on the batch's device
         for m in range(tc.mini_batches):
             mb_idx = order[m * n // tc.mini_batches : (m + 1) * n // tc.mini_batches]  # every row, also when n % mini_batches != 0 (games)
             if out.opt_steps:
