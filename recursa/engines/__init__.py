@@ -121,7 +121,9 @@ def low_precision_copy(policy: Policy, decode_dtype: str, into: torch.nn.Module 
     from transformers import AutoModelForCausalLM
 
     dtype = torch.bfloat16 if decode_dtype == "bfloat16" else torch.float32
-    with torch.random.fork_rng(devices=[]):  # the throwaway initialisation leaves torch's global random state alone
+    # built on the policy's device (not torch's default one, which a caller may have set) and
+    # without touching torch's global random state (the initialisation is thrown away)
+    with torch.random.fork_rng(devices=[]), torch.device(policy.device):
         model = AutoModelForCausalLM.from_config(copy.deepcopy(src.config), torch_dtype=dtype, attn_implementation=src.config._attn_implementation)
     missing, unexpected = model.load_state_dict(dict(hf_named_weights(policy)), strict=False)
     tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()

@@ -269,7 +269,7 @@ class ContinuousBatcher:
         or None when it should wait for the current wave: a request of the wave that will be
         computed shares at least half of what this one would compute (the G first prompts of
         a group, two episodes that saw the same turn), so the next wave reuses it instead."""
-        host = torch.tensor(req.prompt[:-1], dtype=torch.long)
+        host = torch.tensor(req.prompt[:-1], dtype=torch.long, device="cpu")  # host ids: compared and cached on the CPU
         entry, reuse = self.prefix.longest(host) if self.prefix is not None and len(host) else (None, 0)
         todo = len(host) - reuse
         if todo > 0 and self.prefix is not None:
@@ -320,7 +320,7 @@ class ContinuousBatcher:
         starts = torch.tensor([reuse for *_, reuse in wave], device=self.device)
         todo = [host[reuse:] for _, host, _, reuse in wave]
         s = max(len(x) for x in todo)
-        ids = torch.zeros((len(wave), s), dtype=torch.long)
+        ids = torch.zeros((len(wave), s), dtype=torch.long, device="cpu")  # filled on the host, copied once
         for r, x in enumerate(todo):
             ids[r, : len(x)] = x
         positions = starts[:, None] + torch.arange(s, device=self.device)  # (n, s)

@@ -165,9 +165,10 @@ def update(
     # With one optimizer step per epoch, every forward of the first epoch runs at the rollout's
     # weights, so the first epoch's own log-probs (detached) are the old policy's: no separate
     # scoring pass over the batch. Later epochs read them back (`first_epoch_old`); a row is run
-    # in every epoch or in none (the live rows do not depend on the epoch). Data-parallel ranks
-    # run different rows in different epochs, so they keep the scoring pass.
-    first_epoch = tc.mini_batches == 1 and not sequence_objective and (tc.epochs == 1 or learner.world_size == 1)
+    # in every epoch or in none (the live rows do not depend on the epoch), and with one
+    # mini-batch the rows are in the same (length) order in every epoch, so a data-parallel rank
+    # runs the same micro-batches in every epoch and reads back only its own rows.
+    first_epoch = tc.mini_batches == 1 and not sequence_objective
     first_epoch_old = None
     if tc.old_logprobs == "sampling":
         logp_old_all = batch.sample_logprobs
