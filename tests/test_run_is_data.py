@@ -455,6 +455,95 @@ def test_more_bad_inputs_are_one_line_exit_2_and_write_nothing(tmp_path, capsys,
     assert not (tmp_path / "run").exists()
 
 
+def _good_rows() -> list[dict]:
+    return [{"prompt": f"Row {i}: add {i} and {i % 7}.", "answer": str(i + i % 7)} for i in range(40)]
+
+
+def _parquet_bytes(tmp_path: Path) -> bytes:
+    pa = pytest.importorskip("pyarrow", reason="parquet needs pyarrow (pip install 'recursa[data]')")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(_good_rows()), tmp_path / "whole.parquet")
+    data = (tmp_path / "whole.parquet").read_bytes()
+    (tmp_path / "whole.parquet").unlink()
+    return data
+
+
+def _jsonl_bytes() -> bytes:
+    return "".join(json.dumps(r) + "\n" for r in _good_rows()).encode()
+
+
+def _csv_bytes() -> bytes:
+    return ("prompt,answer\n" + "".join(f'"{r["prompt"]}",{r["answer"]}\n' for r in _good_rows())).encode()
+
+
+def _saved_dir(tmp_path: Path, cut: bool) -> Path:
+    """A `save_to_disk` directory, its table file cut in half when `cut`."""
+    datasets = pytest.importorskip("datasets", reason="data.source = 'hf' needs datasets (pip install 'recursa[data]')")
+    path = tmp_path / "saved"
+    datasets.Dataset.from_list(_good_rows()).save_to_disk(str(path))
+    if cut:
+        (table,) = path.glob("*.arrow")
+        table.write_bytes(table.read_bytes()[: table.stat().st_size // 2])
+    return path
+
+
+def _half(data: bytes) -> bytes:
+    return data[: len(data) // 2]
+
+
+# source, file name, its bytes (from tmp_path), what the one line says. Before: pyarrow's or datasets' traceback
+# ("internal error: ArrowInvalid ..."), and for `hf` the library's own log lines and progress bars beside it.
+BAD_DATA_FILES = {
+    "parquet cut in half": ("parquet", "rows.parquet", lambda t: _half(_parquet_bytes(t)), "not a readable Parquet file (Could not open Parquet"),
+    "parquet missing its last bytes": ("parquet", "rows.parquet", lambda t: _parquet_bytes(t)[:-3], "not a readable Parquet file"),
+    "empty parquet": ("parquet", "rows.parquet", lambda t: b"", "Parquet file size is 0 bytes"),
+    "text named .parquet": ("parquet", "rows.parquet", lambda t: _jsonl_bytes(), "magic bytes not found"),
+    "jsonl cut in half": ("jsonl", "rows.jsonl", lambda t: _half(_jsonl_bytes()), ":21: not JSON (Unterminated string"),
+    "hf parquet cut in half": ("hf", "rows.parquet", lambda t: _half(_parquet_bytes(t)), "not a readable Parquet file (Parquet magic bytes not found"),
+    "hf jsonl cut in half": ("hf", "rows.jsonl", lambda t: _half(_jsonl_bytes()), "not a readable JSON file (JSON parse error"),
+    "hf jsonl not UTF-8": ("hf", "rows.jsonl", lambda t: _jsonl_bytes() + b'{"prompt": "caf\xe9", "answer": "1"}\n', "not UTF-8 text (byte 0xe9): save the JSON file"),
+    "hf csv not UTF-8": ("hf", "rows.csv", lambda t: _csv_bytes() + b"caf\xe9,1\n", "not UTF-8 text (byte 0xe9): save the CSV file"),
+    "hf save_to_disk table cut in half": ("hf", None, lambda t: _saved_dir(t, cut=True), "not a readable datasets directory (Expected to be able to read"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_DATA_FILES))
+def test_a_truncated_or_undecodable_data_file_is_one_line_exit_2(tmp_path, capsys, monkeypatch, case):
+    source, name, content, says = BAD_DATA_FILES[case]
+    data = content(tmp_path)
+    if isinstance(data, bytes):
+        path = tmp_path / name
+        path.write_bytes(data)
+    else:
+        path = data
+    config = _noenv_config(tmp_path)
+    work = tmp_path / "cwd"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    capsys.readouterr()
+    assert main(["train", str(config), "--out", str(tmp_path / "run"), "--set", f"data.source='{source}'", "--set", f"data.path='{path}'",
+                 "--set", "data.prompt_key='prompt'"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: ") and says in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before and list(work.iterdir()) == []
+
+
+@pytest.mark.parametrize("source, name, content", [("parquet", "rows.parquet", _parquet_bytes), ("hf", "rows.csv", lambda t: _csv_bytes()),
+                                                   ("hf", None, lambda t: _saved_dir(t, cut=False))])
+def test_whole_data_files_of_each_source_still_load(tmp_path, source, name, content):
+    """The other side of the refusals above: the same files, whole, give the 40 rows."""
+    from recursa.envs.dataset import DatasetEnv
+
+    data = content(tmp_path)
+    path = data if not isinstance(data, bytes) else tmp_path / name
+    if isinstance(data, bytes):
+        path.write_bytes(data)
+    env = DatasetEnv(str(path), source=source)
+    assert sum(env.num_items(s) for s in ("train", "gate", "test")) == 40
+
+
 def test_max_positions_shorter_than_the_prompts_is_one_line_exit_2(tmp_path, capsys):
     """model.tiny.max_positions below prompt + completion: the first sampling call says so in one
     line (before: the tiny model's rotary positions ran past it silently)."""

@@ -34,6 +34,7 @@ as a success when it is at least `success_at`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -97,7 +98,43 @@ def _read_parquet(p: Path) -> list[tuple[dict, str | None]]:
         import pyarrow.parquet as pq
     except ImportError:
         raise UserError("data.source = 'parquet' needs pyarrow: pip install 'recursa[data]'") from None
-    return [(r, None) for r in pq.read_table(p).to_pylist()]
+    import pyarrow as pa
+
+    try:  # a truncated or foreign file is the user's to fix, not pyarrow's traceback (issue 49)
+        return [(r, None) for r in pq.read_table(p).to_pylist()]
+    except (pa.ArrowException, UnicodeDecodeError, OSError) as exc:
+        raise _unreadable(p, "Parquet file", exc) from None
+
+
+def _unreadable(p: Path, kind: str, exc: BaseException) -> Exception:
+    """The one line for a data file its reader could not parse (cut short by a copy, another
+    format under the name, text that is not UTF-8): the innermost cause, since `datasets`
+    wraps the reader's own error in a generic one. An OSError with an errno (permission denied)
+    is returned as it is: recursa's CLI already says those in one line."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    if isinstance(exc, OSError) and exc.errno is not None:
+        return exc  # the operating system's own failure (permission, a vanished file): said by the CLI as such
+    if isinstance(exc, UnicodeDecodeError):
+        return UserError(f"data.path = {str(p)!r}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x}): save the {kind} as UTF-8")
+    reason = " ".join(str(exc).split())[:300] or type(exc).__name__
+    return UserError(f"data.path = {str(p)!r}: not a readable {kind} ({reason}): it may be truncated or corrupt; write it again")
+
+
+@contextlib.contextmanager
+def _quiet_datasets(datasets):
+    """`datasets` logs a failed read before raising it and draws progress bars on stderr: while
+    recursa reads a local file, its own line (or nothing) is what the user sees."""
+    logging, bars = datasets.utils.logging, datasets.is_progress_bar_enabled()
+    level = logging.get_verbosity()
+    logging.set_verbosity(logging.CRITICAL)
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(level)
+        if bars:
+            datasets.enable_progress_bars()
 
 
 def _read_hf(p: Path) -> list[tuple[dict, str | None]]:
@@ -106,15 +143,31 @@ def _read_hf(p: Path) -> list[tuple[dict, str | None]]:
         import datasets
     except ImportError:
         raise UserError("data.source = 'hf' needs the datasets package: pip install 'recursa[data]'") from None
+    import pyarrow as pa
+    from datasets.exceptions import DatasetGenerationError
+
+    kind = "datasets directory" if p.is_dir() else {".jsonl": "JSON file", ".json": "JSON file", ".parquet": "Parquet file", ".csv": "CSV file"}.get(p.suffix)
+    if kind is None:
+        raise UserError(f"data.path = {str(p)!r}: data.source = 'hf' reads a save_to_disk directory or a .jsonl/.json/.parquet/.csv file")
+    with _quiet_datasets(datasets):
+        try:  # rows are decoded while iterating too: a bad byte may surface only there
+            return _hf_rows(datasets, p)
+        except (DatasetGenerationError, pa.ArrowException, UnicodeDecodeError, OSError) as exc:
+            raise _unreadable(p, kind, exc) from None
+
+
+def _hf_rows(datasets, p: Path) -> list[tuple[dict, str | None]]:
+    import pyarrow as pa
+
     if p.is_dir():
         try:
             ds = datasets.load_from_disk(str(p))
         except (FileNotFoundError, ValueError) as exc:
+            if isinstance(exc, (UnicodeDecodeError, pa.ArrowException)):
+                raise  # a directory of the right shape whose table file is cut short: said as such
             raise UserError(f"data.path = {str(p)!r}: not a datasets directory written by save_to_disk ({exc})") from None
     else:
-        kind = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}.get(p.suffix)
-        if kind is None:
-            raise UserError(f"data.path = {str(p)!r}: data.source = 'hf' reads a save_to_disk directory or a .jsonl/.json/.parquet/.csv file")
+        kind = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}[p.suffix]
         ds = datasets.load_dataset(kind, data_files=str(p), split="train")
     if isinstance(ds, datasets.DatasetDict):
         out = []
