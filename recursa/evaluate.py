@@ -167,6 +167,7 @@ def evaluate(
     multi_turn = is_agent_env(pool.take(1)[0])
     items: list[EvalItem] = []
     start = time.perf_counter()
+    played_from = pool.mark()
     for lo in range(0, n, batch_size):
         chunk = seeds[lo : lo + batch_size]
         chunk_hints = hints[lo : lo + batch_size] if hints is not None else None
@@ -181,6 +182,7 @@ def evaluate(
             items.extend(EvalItem(t.seed, t.reward, t.success, t.completion_text) for t in result.trajectories)
         if progress is not None:
             progress(len(items), n)
+    pool.check_played(played_from, f"the evaluation {label!r}" if label else "the evaluation")  # no success rate of games that never ran
     return summarize(items, env_name, split, label, policy.name, "model", time.perf_counter() - start)
 
 

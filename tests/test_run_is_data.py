@@ -608,3 +608,106 @@ def test_init_checkpoint_may_be_a_toml_integer(tmp_path):
     _roundtrip(as_int, tmp_path)
     with pytest.raises(Exception, match="init.checkpoint"):
         load_config(None, ["init.checkpoint=-1"], check=False)
+
+
+# ----------------------------------------------------------------------------- an env that breaks mid-run
+
+BREAKS_MID_RUN = '''
+import os
+from recursa.envs.arithmetic import ArithmeticEnv
+
+CALLS = {"reset": 0, "step": 0}
+
+
+class Breaks(ArithmeticEnv):
+    """Arithmetic whose reset or step raises from its N-th call on, while RECURSA_TEST_BREAK is
+    "reset:N" or "step:N" (a game server that went away); unset, it is the env fixed."""
+
+    def _broken(self, call):
+        CALLS[call] += 1
+        kind, _, n = os.environ.get("RECURSA_TEST_BREAK", "").partition(":")
+        if kind == call and CALLS[call] >= int(n):
+            raise ConnectionError("the game server went away")
+
+    def reset(self, seed):
+        self._broken("reset")
+        return super().reset(seed)
+
+    def step(self, action_text):
+        self._broken("step")
+        return super().step(action_text)
+'''
+
+# smoke.toml, 4 steps of 2 x 4 episodes, a checkpoint every 2 steps, 4 test items before and after: the env's calls
+# are 4 (before), 8 per step, then 4 (after). Each case: when it breaks, what the run then holds (its checkpoints
+# and the steps of its metrics lines), and what the one line says.
+MID_RUN_SETS = ["--set", "env.name='breaks_mid_run_49:Breaks'", "--set", "env.kwargs={difficulty=0}", "--set", "train.steps=4",
+                "--set", "run.checkpoint_every=2", "--set", "eval.n=4", "--set", "eval.batch_size=4"]
+MID_RUN_BREAKS = {
+    "reset fails from step 2": ("reset:13", [], [0, 1], "failed twice in a row on reset"),
+    "step raises from step 3": ("step:21", ["step_000002"], [0, 1, 2], "every game of training step 3 failed (8 crashed or hung"),
+    "step raises from step 4": ("step:29", ["step_000002"], [0, 1, 2, 3], "every game of training step 4 failed"),
+    "step raises in the after evaluation": ("step:37", ["step_000002", "step_000004"], [0, 1, 2, 3, 4], "every game of the evaluation 'after' failed"),
+}
+
+
+@pytest.fixture()
+def breaking_env(tmp_path, monkeypatch):
+    import importlib
+    import sys
+
+    (tmp_path / "breaks_mid_run_49.py").write_text(BREAKS_MID_RUN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("breaks_mid_run_49", None)
+    return importlib.import_module("breaks_mid_run_49")
+
+
+@pytest.fixture(scope="module")
+def unbroken_run(tmp_path_factory):
+    import importlib
+    import sys
+
+    base = tmp_path_factory.mktemp("unbroken")
+    (base / "breaks_mid_run_49.py").write_text(BREAKS_MID_RUN)
+    sys.path.insert(0, str(base))
+    try:
+        sys.modules.pop("breaks_mid_run_49", None)
+        importlib.import_module("breaks_mid_run_49")
+        assert main(["train", SMOKE, "--out", str(base / "ref"), *MID_RUN_SETS]) == 0
+    finally:
+        sys.path.remove(str(base))
+        sys.modules.pop("breaks_mid_run_49", None)
+    return base / "ref"
+
+
+@pytest.mark.parametrize("case", list(MID_RUN_BREAKS))
+def test_an_env_that_breaks_mid_run_leaves_a_resumable_run(tmp_path, capsys, monkeypatch, breaking_env, unbroken_run, case):
+    """Before, a step that raised from some call on left the run going: every later episode
+    'crashed' with reward 0, was trained on (Adam's momentum moving the weights on no signal)
+    and checkpointed, and eval/after.json recorded a success rate of games never played. Now
+    the run stops before the first step (or evaluation) none of whose games returned: it
+    keeps its last good checkpoint and the metrics of the steps it finished, releases its
+    lock, says so in one line, and once the env works `--resume` ends where an unbroken run
+    ends."""
+    from recursa.runio import RunLock
+
+    brk, checkpoints, steps, says = MID_RUN_BREAKS[case]
+    run = tmp_path / "run"
+    monkeypatch.setenv("RECURSA_TEST_BREAK", brk)
+    capsys.readouterr()
+    assert main(["train", SMOKE, "--out", str(run), *MID_RUN_SETS]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: ") and says in err, err
+    assert sorted(p.name for p in (run / "checkpoints").glob("*")) == checkpoints  # nothing half-written beside them
+    assert sorted({r["step"] for r in _metrics(run)}) == steps
+    assert _metrics(run) == [r for r in _metrics(unbroken_run) if r["step"] in steps and (r["step"] < 4 or "eval/success_rate" not in r)]
+    assert sorted(p.name for p in (run / "eval").iterdir()) == ["before.json"]  # no evaluation of games never played
+    lock = RunLock(run).acquire()  # released: another process (here: another open file) may take it
+    lock.release()
+
+    monkeypatch.delenv("RECURSA_TEST_BREAK")  # the env fixed
+    assert main(["train", "--resume", str(run), "--trust-run-code"]) == 0
+    assert _metrics(run) == _metrics(unbroken_run)
+    for label in ("before", "after"):
+        assert json.loads((run / "eval" / f"{label}.json").read_text())["items"] == json.loads((unbroken_run / "eval" / f"{label}.json").read_text())["items"]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000002", "step_000004"]

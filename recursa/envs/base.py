@@ -19,6 +19,8 @@ Specs understood by `make_env`:
     textworld:<generator> a generated TextWorld game, e.g. textworld:cooking (recursa.envs.textworld_env)
     gym:<id>              a gymnasium env with text rendering, e.g. gym:FrozenLake-v1 (recursa.envs.gym_env)
     ta:<game>             a single-player TextArena game, e.g. ta:GuessTheNumber-v0 (recursa.envs.textarena_env)
+    vf:<taskset>          a verifiers environment: its tasks, rewards and multi-turn run() (recursa.envs.verifiers_env)
+    openenv:<url-or-class> an OpenEnv env: a running server's URL, or an Environment class pkg.module:Class (recursa.envs.openenv_env)
     harness:pkg.module:fn an agent harness written against the OpenAI client, played through recursa's endpoint (recursa.serve)
     pkg.module:factory    your own env: `factory(**kwargs)` returns an object following `Env`
                           or `AgentEnv` (imported by module path, so it works in Ray workers)
@@ -77,6 +79,7 @@ class EnvPool:
         self.envs: list[Env] = []
         self.supervision = supervision
         self.restarts = 0
+        self.steps_ok = 0  # game steps that returned (supervised pools)
         self.failures: list[str] = []  # what each restart was for, oldest first
         self._reported = 0
 
@@ -96,6 +99,27 @@ class EnvPool:
             return {}
         new, self._reported = self.restarts - self._reported, self.restarts
         return {"env/restarts": float(new)}
+
+    def mark(self) -> tuple[int, int]:
+        """(game steps that returned, restarts) so far: the point `check_played` compares with."""
+        return self.steps_ok, self.restarts
+
+    def check_played(self, since: tuple[int, int], what: str) -> None:
+        """A one-line UserError when games failed since `since` (a `mark()`) and not one step
+        returned: a game that broke mid-run and stays broken (issue 49). Its episodes would all
+        be 'crashed', reward 0: training on them moves the weights on no signal (Adam's momentum
+        alone), and an evaluation of them records a success rate no model earned. So `what`
+        (a training step, an evaluation) is refused before anything of it is written; the run
+        keeps its last checkpoint and resumes from it once the env works. A game that fails now
+        and then still plays (one step returning is enough)."""
+        ok, restarts = since
+        if self.supervision is None or self.restarts == restarts or self.steps_ok != ok:
+            return
+        last = self.failures[-1] if self.failures else "?"
+        raise UserError(
+            f"every game of {what} failed ({self.restarts - restarts} crashed or hung, none returned a step; last: {last}): the env broke "
+            f"mid-run, so nothing of {what} is recorded; fix the env (a training run then continues from its last checkpoint: `recursa train --resume RUN_DIR`)"
+        )
 
     def close(self) -> None:
         for env in self.envs:
@@ -119,11 +143,13 @@ _RG_PREFIX = "rg:"
 _TWX_PREFIX = "twx:"
 _TW_PREFIX = "textworld:"
 _GYM_PREFIX, _TA_PREFIX = "gym:", "ta:"  # issue 48: other ecosystems' envs (docs/gym.md, docs/textarena.md)
+_VF_PREFIX, _OPENENV_PREFIX = "vf:", "openenv:"  # issue 48: docs/verifiers.md, docs/openenv.md
 _HARNESS_PREFIX = "harness:"  # issue 48: an OpenAI-client harness (recursa/serve.py, docs/serve.md)
-_PREFIXES = (_RG_PREFIX, _TWX_PREFIX, _TW_PREFIX, _GYM_PREFIX, _TA_PREFIX, _HARNESS_PREFIX)
+_PREFIXES = (_RG_PREFIX, _TWX_PREFIX, _TW_PREFIX, _GYM_PREFIX, _TA_PREFIX, _VF_PREFIX, _OPENENV_PREFIX, _HARNESS_PREFIX)
 _FAMILIES = {_RG_PREFIX: "recursa.envs.reasoning_gym:ReasoningGymEnv", _TWX_PREFIX: "recursa.envs.twx:TWXEnv",
              _TW_PREFIX: "recursa.envs.textworld_env:TextWorldEnv", _GYM_PREFIX: "recursa.envs.gym_env:GymTextEnv",
-             _TA_PREFIX: "recursa.envs.textarena_env:TextArenaEnv", _HARNESS_PREFIX: "recursa.serve:harness_env"}
+             _TA_PREFIX: "recursa.envs.textarena_env:TextArenaEnv", _VF_PREFIX: "recursa.envs.verifiers_env:verifiers_env",
+             _OPENENV_PREFIX: "recursa.envs.openenv_env:OpenEnvEnv", _HARNESS_PREFIX: "recursa.serve:harness_env"}
 
 ENTRY_POINT_GROUP = ENVS.group
 
@@ -276,6 +302,10 @@ def list_envs() -> list[tuple[str, str]]:
                  else "gymnasium envs (not installed: pip install gymnasium)"))
     rows.append(("ta:<game>", "a single-player TextArena game (docs/textarena.md)" if _installed("textarena")
                  else "single-player TextArena games (not installed: pip install textarena)"))
+    rows.append(("vf:<taskset>", "a verifiers environment: its tasks, weighted rewards, multi-turn run() and tools (docs/verifiers.md)" if _installed("verifiers")
+                 else "verifiers environments (not installed: pip install verifiers)"))
+    rows.append(("openenv:<url-or-class>", "an OpenEnv env: a running server (openenv:http://host:port) or pkg.module:Class in process (docs/openenv.md)"
+                 if _installed("openenv") else "OpenEnv envs (not installed: pip install openenv-core)"))
     rows.append(("harness:pkg.module:fn", "an agent harness fn(base_url, seed) -> reward that calls the OpenAI client, trained through recursa's endpoint (docs/serve.md)"))
     rows.append(("pkg.module:factory", "your own env: factory(**env.kwargs) returns an object with name, reset(seed), step(action_text)"))
     return rows
@@ -316,7 +346,7 @@ def _make_env(spec: str, **kwargs: Any) -> Env:
                 raise UserError(f"env {spec!r} needs reasoning-gym; install it with: pip install 'recursa[envs]'")
             return import_object(path, "env.name")(spec[len(prefix) :].strip(), **kwargs)
     named = list(_BUILTINS) + list(_custom()) + sorted(entry_point_envs())
-    known = named + ["rg:<dataset>", "twx:<game>", "textworld:<generator>", "gym:<id>", "ta:<game>", "harness:pkg.module:fn", "pkg.module:factory"]
+    known = named + ["rg:<dataset>", "twx:<game>", "textworld:<generator>", "gym:<id>", "ta:<game>", "vf:<taskset>", "openenv:<url-or-class>", "harness:pkg.module:fn", "pkg.module:factory"]
     close = difflib.get_close_matches(spec, named, n=3, cutoff=0.6)
     hint = f" (did you mean {', '.join(close)}?)" if close else ""
     raise UserError(f"unknown env {spec!r}{hint}; known: {', '.join(known)}; run `recursa envs` to list them")

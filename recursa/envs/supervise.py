@@ -146,14 +146,14 @@ class SupervisedEnv:
             result = _call(self._env.step, (action_text,), self._sup.step_timeout)
         except GameFailure as failure:
             pool = self._pool
-            if not getattr(pool, "steps_ok", 0) and pool.restarts + 1 >= NEVER_STEPPED:
+            if not pool.steps_ok and pool.restarts + 1 >= NEVER_STEPPED:
                 raise UserError(f"env {getattr(self._env, 'name', type(self._env).__name__)!r}: step failed on each of its first {pool.restarts + 1} calls "
                                 f"and never once returned (last: {failure}): the env is broken; fix its step") from None
             self._restart(failure)
             info = {"success": False, "won": False, "invalid": False, "admissible": None, "steps": self._steps, "score": 0.0,
                     "answer": "", "parsed": None, "note": f"game {failure.kind}", "failure": failure.kind, "failure_detail": failure.detail}
             return StepResult(f"(the game {failure.kind} and was restarted; this episode counts as failed)", 0.0, True, info)
-        self._pool.steps_ok = getattr(self._pool, "steps_ok", 0) + 1
+        self._pool.steps_ok += 1
         return result
 
     def close(self) -> None:

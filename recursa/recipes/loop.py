@@ -133,7 +133,9 @@ def train_loop(recipe: Recipe, cfg, out: Path, resume: bool = False, progress: P
         hints, hint_metrics = methods.hints(step, seeds, hints, sampling, gen, system)
         s = StepInputs(step, seeds, hints, sampling, gen, system)
         # 2. sample, score, outcome advantages
+        played_from = pool.mark()
         played = recipe.play(ctx, s)
+        pool.check_played(played_from, f"training step {step + 1}")  # a game broken for the whole step: stop before its update
         sample_metrics = methods.after_sample(step, played)
         t.sampled = time.perf_counter()
         # 3. the methods' extra rows, in order

@@ -306,7 +306,9 @@ def train(cfg: RFTConfig, out: Path, resume: bool = False, progress: Progress | 
                                       exclude=set(tail.table) if tail is not None else frozenset())
         seeds, n_tail = tail_seeds + rest, len(tail_seeds)
         hints = tail_hints + [None] * len(rest) if tail_seeds else None
+        played_from = pool.mark()
         attempts, episode_metrics = sample_attempts(rollouts, cfg, seeds, gen, multi_turn, hints=hints, group_size=G, temperature=temperature)
+        pool.check_played(played_from, f"round {rnd + 1}")  # a game broken for the whole round: nothing of it is kept
         sampled_total += len(attempts)
         if tail_seeds:  # a success on a hinted task is imitated under its bare prompt
             unhint_successes(attempts, set(tail_seeds), pool.take(1)[0], policy.tokenizer, cfg, multi_turn)
