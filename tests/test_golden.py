@@ -24,7 +24,7 @@ def test_the_example_reproduces_its_golden_record(path, tmp_path):
     assert golden["overrides"] == g.overrides(path), "the shrinkage changed: re-record (tests/golden_runs.py --record)"
     got = g.record(g.run_example(path, tmp_path / "run"))
     assert got["metrics"] and got["weights"], "a record with nothing in it proves nothing"
-    diff = g.same({k: golden[k] for k in ("metrics", "eval", "weights")}, got)
+    diff = g.same({k: golden[k] for k in ("metrics", "eval", "weights")}, got, **g.tolerance(golden))
     assert not diff, "\n".join(diff[:20])
 
 
@@ -37,3 +37,18 @@ def test_the_comparison_catches_a_change():
     moved["metrics"][0]["extra"] = 1
     assert "/metrics[0]/extra: only in this run" in g.same(rec, moved)
     assert g.same(rec, {**rec, "metrics": []}) == ["/metrics: 1 entries against 0"]
+
+
+def test_another_machine_forgives_float_kernels_but_not_a_change():
+    rec = {"metrics": [{"step": 1, "rows_run": 3, "loss/policy": 0.25, "rollout/logprob_mismatch": 6e-4}], "weights": {"sum": 12.5}}
+    noise = {"metrics": [{"step": 1, "rows_run": 3, "loss/policy": 0.25 * (1 + 4e-4), "rollout/logprob_mismatch": 5.7e-4}], "weights": {"sum": 12.5 * (1 - 5e-4)}}
+    assert g.same(rec, noise) != []  # on the recording machine the last digits must agree
+    assert g.same(rec, noise, **g.CROSS_MACHINE) == []
+    changed = json.loads(json.dumps(noise))
+    changed["metrics"][0]["loss/policy"] = 0.25 * 1.01
+    assert g.same(rec, changed, **g.CROSS_MACHINE) == ["/metrics[0]/loss/policy: 0.25 against 0.2525"]
+    changed = json.loads(json.dumps(noise))
+    changed["metrics"][0]["rows_run"] = 4  # counts stay exact everywhere
+    assert g.same(rec, changed, **g.CROSS_MACHINE) == ["/metrics[0]/rows_run: 3 against 4"]
+    assert g.tolerance({"machine": g.machine()}) == {"rtol": g.RTOL, "atol": 1e-9}
+    assert g.tolerance({}) == g.CROSS_MACHINE and g.tolerance({"machine": "another CPU | torch 0"}) == g.CROSS_MACHINE
