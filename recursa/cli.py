@@ -156,8 +156,8 @@ def _eval_source(args):
         run_dir = Path(args.run)
         if not (run_dir / "config.toml").exists():
             raise UserError(f"--run {run_dir}: no config.toml there; pass a run directory written by `recursa train`")
-        # the run's task is built here unless --env replaces it: its code needs --trust-run-code
-        cfg = _run_config(run_dir, args, () if args.env else ("env", "scorer"), [args.env])
+        # the run's task is built here unless --env replaces it: its code, and its data file outside the run, need --trust-run-code
+        cfg = _run_config(run_dir, args, () if args.env else ("env", "scorer", "data"), [args.env])
         if args.checkpoint == "last" and not finished_checkpoints(run_dir):
             raise UserError(f"{run_dir} has no checkpoint yet; evaluate the base model with --config instead")
         weights = run_checkpoint(run_dir, args.checkpoint)
@@ -454,7 +454,8 @@ def cmd_examples(args) -> int:
 
 
 TRUST_HELP = ("import the code (an env factory, reward function or data scorer named 'pkg.module:attr') that the run directory's stored "
-              "config.toml names; without it such a run is refused, since a run directory someone else wrote is data, not code")
+              "config.toml names, and read the data file (data.path) it names outside the run directory; without it such a run is refused, "
+              "since a run directory someone else wrote is data, not code")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -12,6 +12,13 @@ code that config names by import path is imported only when the user says so:
 * the same spec given again on the command line (``--set env.name='pkg.module:make_env'``,
   or ``recursa eval --env ...``, which replaces the run's task altogether).
 
+The same consent covers the files such a config names to read (`data.path`, the rows a task
+is built from or SFT's demonstrations) when they lie outside the run directory: a run
+someone shares must not make the reader's machine read one of its own files (a key, a
+private dataset) into prompts, samples.jsonl and evaluations, which the reader may share
+on. A data file inside the run directory (a run that carries its rows) is its own data and
+is read as such.
+
 What is never code here: a built-in name (an entry of a `recursa.plugins` registry such as
 ``arithmetic`` or ``rg:basic_arithmetic``), a name an installed package registers as an
 entry point, or one registered in this process: those are code the user installed or
@@ -21,12 +28,14 @@ wrote, not code the run directory brings. `recursa report`, `lineage`, `export` 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Iterable
 
 from recursa.errors import UserError
 
 TRUST_FLAG = "--trust-run-code"
-PARTS = ("env", "reward", "scorer")
+PARTS = ("env", "reward", "scorer", "data", "demos")
+FILE_SOURCES = ("jsonl", "parquet", "hf")
 
 
 def named_code(cfg, parts: Iterable[str] = PARTS) -> list[tuple[str, str]]:
@@ -50,6 +59,23 @@ def named_code(cfg, parts: Iterable[str] = PARTS) -> list[tuple[str, str]]:
     if "scorer" in parts and data and is_factory_spec(cfg.data.scorer):
         out.append(("data.scorer", cfg.data.scorer.strip()))
     return out
+
+
+def named_files(cfg, run_dir: Path, parts: Iterable[str] = PARTS) -> list[tuple[str, str]]:
+    """(config key, path) of every file outside `run_dir` that `cfg` names to read among
+    `parts`: 'data' (data.path, when the tasks are [data] rows) and 'demos' (data.path of an
+    SFT run's demonstrations, rows or chat transcripts). A relative path is resolved as the
+    readers resolve it, from the working directory. Reads nothing."""
+    from recursa.envs.dataset import uses_dataset
+
+    parts, dc = set(parts), getattr(cfg, "data", None)
+    if dc is None or dc.source not in FILE_SOURCES or not dc.path:
+        return []
+    read = ("data" in parts and uses_dataset(cfg)) or ("demos" in parts and cfg.recipe == "sft")
+    if not read:
+        return []
+    base, real = Path(run_dir).resolve(), Path(dc.path).resolve()
+    return [] if real == base or base in real.parents else [("data.path", dc.path)]
 
 
 def command_line_strings(sets: Iterable[str] = (), extra: Iterable[str | None] = ()) -> set[str]:
@@ -78,8 +104,9 @@ def command_line_strings(sets: Iterable[str] = (), extra: Iterable[str | None] =
 
 def refuse_run_code(cfg, source: str, trusted: bool, given: set[str] = frozenset(), parts: Iterable[str] = PARTS) -> None:
     """Refuse (a one-line UserError) the first piece of code the stored config `cfg` of the
-    run directory `source` names, unless `trusted` (--trust-run-code) or the user typed the
-    same spec again (`given`, from `command_line_strings`)."""
+    run directory `source` names, then the first file outside it that it names to read
+    (`named_files`), unless `trusted` (--trust-run-code) or the user typed the same spec or
+    path again (`given`, from `command_line_strings`)."""
     if trusted:
         return
     for key, spec in named_code(cfg, parts):
@@ -87,4 +114,10 @@ def refuse_run_code(cfg, source: str, trusted: bool, given: set[str] = frozenset
             raise UserError(
                 f"{source}/config.toml names code to import, {key} = {spec!r}, and a run directory is data: "
                 f"refusing to import it; if you trust whoever wrote this run, pass {TRUST_FLAG} (or give {key} again with --set)"
+            )
+    for key, path in named_files(cfg, Path(source), parts):
+        if path.strip() not in given:
+            raise UserError(
+                f"{source}/config.toml names a file outside the run directory to read, {key} = {path!r}, and a run directory is data: "
+                f"refusing to read it; if you trust whoever wrote this run, pass {TRUST_FLAG} (or give {key} again with --set)"
             )

@@ -92,9 +92,9 @@ def killed_runs(tmp_path_factory):
     return base, ref, outcomes
 
 
-def _assert_resumes_to(run: Path, ref: Path) -> None:
-    """`train --resume run` ends with the uninterrupted run's metrics and held-out items."""
-    assert main(["train", "--resume", str(run)]) == 0
+def _assert_resumes_to(run: Path, ref: Path, flags: list[str] = ()) -> None:
+    """`train --resume run` (with `flags`, e.g. --trust-run-code) ends with the uninterrupted run's metrics and held-out items."""
+    assert main(["train", "--resume", str(run), *flags]) == 0
     assert _metrics(run) == _metrics(ref)
     for label in ("before", "after"):
         a = json.loads((ref / "eval" / f"{label}.json").read_text())
