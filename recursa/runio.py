@@ -124,6 +124,26 @@ def inside(root: Path, path: Path | str, what: str = "the run directory") -> Pat
     return path
 
 
+def inside_tree(root: Path, top: Path | str, what: str = "the run directory") -> Path:
+    """`top` when it and everything beneath it resolve inside `root` (`inside` for each):
+    every file and directory at any depth, and what a directory link leads to, walked as
+    well (each real directory once, so a link loop ends). A checkpoint is read by libraries
+    that open whatever its directory holds (a shard in a nested folder, the tokenizer files,
+    LoRA adapters), so containment covers the whole tree, not its top-level names (issue 49).
+    Returns `top`."""
+    seen: set[Path] = set()
+    stack = [Path(top)]
+    while stack:
+        path = stack.pop()
+        inside(root, path, what)
+        if path.is_dir():
+            real = path.resolve()
+            if real not in seen:
+                seen.add(real)
+                stack.extend(sorted(path.iterdir()))
+    return Path(top)
+
+
 def refuse_deleting(path: Path, flag: str = "--overwrite") -> None:
     """A one-line UserError when `path` is a directory no --overwrite may delete, whatever
     it holds: the file-system root, the home directory or one of its parents, the working

@@ -56,7 +56,7 @@ import torch
 
 from recursa.errors import UserError
 from recursa.tracking import Trackers
-from recursa.runio import RunLock, append_line, atomic_write_bytes, atomic_write_json, atomic_write_text, fault_point, fsync_dir, inside, read_jsonl
+from recursa.runio import RunLock, append_line, atomic_write_bytes, atomic_write_json, atomic_write_text, fault_point, fsync_dir, inside, inside_tree, read_jsonl
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS evaluations (
@@ -362,7 +362,11 @@ def write_weights(final: Path, policy, optimizer: torch.optim.Optimizer, state: 
     from recursa.models import save_weights
 
     tmp = final.with_name(final.name + ".tmp")
-    if tmp.exists():
+    for path in (tmp, final):  # a planted step_K.tmp (or step_K) linked elsewhere is refused, never written through
+        inside(final.parent, path, "the checkpoints directory")
+    if tmp.is_symlink():
+        tmp.unlink()
+    elif tmp.exists():
         shutil.rmtree(tmp)
     try:
         save_weights(policy, tmp)
@@ -493,9 +497,8 @@ def finished_checkpoints(run_dir: Path) -> list[Path]:
     if not root.exists():
         return []
     done = sorted(p for p in root.glob("step_*") if p.name.count(".") == 0 and (p / "state.json").exists())
-    for p in done:  # a checkpoint (or a file of one) linked out of the run is refused, not read
-        for f in [p, *p.iterdir()]:
-            inside(run_dir, f)
+    for p in done:  # a checkpoint, or a file or folder at any depth of one, linked out of the run is refused, not read
+        inside_tree(run_dir, p)
     return done
 
 

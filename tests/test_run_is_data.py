@@ -91,7 +91,7 @@ def killed_data_runs(tmp_path_factory):
     jobs = [{"argv": ["train", str(config), "--out", str(base / f"k{i}"), *sets], "fault": spec} for i, spec in enumerate(DATA_KILLS)]
     chain = base / "chain"
     jobs += [{"argv": ["train", str(config), "--out", str(chain), *sets], "fault": "checkpoint.tmp@2"},
-             {"argv": ["train", "--resume", str(chain)], "fault": "truncate.jsonl@1"}]
+             {"argv": ["train", "--resume", str(chain), "--trust-run-code"], "fault": "truncate.jsonl@1"}]  # the rows lie outside the run
     prompts = [json.loads(line)["prompt"] for line in (ref / "samples.jsonl").read_text().splitlines()]
     assert prompts and all(p.startswith("Row ") for p in prompts)  # the rows are the task
     return base, ref, _runner(jobs)
@@ -112,9 +112,10 @@ def test_dataset_run_resumes_after_a_kill_at_every_write_point(killed_data_runs,
     else:
         run = base / "chain"
         assert outcomes[-2]["killed"] and outcomes[-1]["killed"], outcomes[-2:]
-    _assert_resumes_to(run, ref)
+    rows = str(base / "rows.jsonl")  # outside the run: reading it again is the user's consent (--trust-run-code, or data.path typed again)
+    _assert_resumes_to(run, ref, ["--trust-run-code"])
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
-    assert main(["eval", "--run", str(run), "--n", "2"]) == 0  # and the finished run evaluates from its stored config
+    assert main(["eval", "--run", str(run), "--n", "2", "--set", f"data.path='{rows}'"]) == 0  # and the finished run evaluates from its stored config
 
 
 # ----------------------------------------------------------------------------- the trust boundary
@@ -159,6 +160,78 @@ def test_a_run_naming_a_data_scorer_is_refused(tmp_path, capsys):
     run, _ = _hostile_run(tmp_path, ["data.source='jsonl'", f"data.path='{rows}'", "data.prompt_key='prompt'", "data.scorer='os:system'"])
     _refused(capsys, ["eval", "--run", str(run)], "data.scorer = 'os:system'")
     _refused(capsys, ["train", "--resume", str(run)], "data.scorer = 'os:system'")
+
+
+# ----------------------------------------------------------------------------- ... and no file of the reader's machine read for it
+
+
+def _data_run(tmp_path: Path, path: str, recipe: str = "grpo", name: str = "datarun") -> Path:
+    """A run directory whose stored config reads its task rows (or SFT's demonstrations) from `path`."""
+    run = tmp_path / name
+    run.mkdir()
+    cfg = load_config(None, ["data.source='jsonl'", f"data.path='{path}'", "data.prompt_key='prompt'"], recipe=recipe, check=False)
+    (run / "config.toml").write_text(dump_config(cfg))
+    return run
+
+
+def _secret(tmp_path: Path) -> Path:
+    """A file of the reader's that is no dataset: reading it would fail with 'not JSON', so the
+    trust refusal shows it was never opened."""
+    secret = tmp_path / "id_key"
+    secret.write_text("-----BEGIN PRIVATE KEY-----\n")
+    return secret
+
+
+@pytest.mark.parametrize("argv", [["eval", "--run", "RUN"], ["eval", "--run", "RUN", "--interpolate", "0.5"], ["train", "--resume", "RUN"]])
+def test_a_run_naming_a_data_file_outside_it_is_refused(tmp_path, capsys, argv):
+    secret = _secret(tmp_path)
+    run = _data_run(tmp_path, str(secret))
+    assert main([a.replace("RUN", str(run)) for a in argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"data.path = '{secret}'" in err and "refusing to read it" in err and "--trust-run-code" in err, err
+
+
+def test_a_relative_data_path_leading_out_of_the_run_is_refused(tmp_path, capsys, monkeypatch):
+    _secret(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    run = _data_run(tmp_path, "datarun/../id_key")
+    assert main(["train", "--resume", str(run)]) == 2
+    assert "data.path = 'datarun/../id_key'" in capsys.readouterr().err
+
+
+def test_an_sft_runs_demonstrations_outside_it_are_refused_on_resume(tmp_path, capsys):
+    secret = _secret(tmp_path)
+    run = _data_run(tmp_path, str(secret), recipe="sft")
+    assert main(["train", "--resume", str(run)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "refusing to read it" in err, err
+
+
+def test_consent_to_read_a_data_file_outside_the_run(tmp_path, capsys):
+    """--trust-run-code, or the same data.path given again, reads it (here the reader then finds it is not JSON)."""
+    secret = _secret(tmp_path)
+    run = _data_run(tmp_path, str(secret))
+    for extra in (["--trust-run-code"], ["--set", f"data.path='{secret}'"]):
+        assert main(["train", "--resume", str(run), *extra]) == 2
+        assert f"{secret}:1: not JSON" in capsys.readouterr().err
+    assert main(["eval", "--run", str(run), "--env", "arithmetic"]) == 2  # --env replaces the run's task: its rows are not read
+    assert "no checkpoint yet" in capsys.readouterr().err
+
+
+def test_a_run_carrying_its_rows_inside_it_needs_no_consent(tmp_path, capsys):
+    import shutil
+
+    ref = tmp_path / "ref"
+    assert main(["train", str(_noenv_config(tmp_path)), "--out", str(ref), "--set", "data.source='jsonl'", "--set", f"data.path='{_rows_file(tmp_path)}'",
+                 "--set", "data.prompt_key='prompt'", "--set", "train.steps=1", "--set", "eval.n=2", "--set", "sampling.max_new_tokens=4"]) == 0
+    run = tmp_path / "carried"
+    shutil.copytree(ref, run)
+    shutil.copy(tmp_path / "rows.jsonl", run / "rows.jsonl")
+    (run / "config.toml").write_text((run / "config.toml").read_text().replace(str(tmp_path / "rows.jsonl"), str(run / "rows.jsonl")))
+    assert str(run / "rows.jsonl") in (run / "config.toml").read_text()
+    assert main(["eval", "--run", str(run), "--n", "2"]) == 0
+    assert main(["eval", "--run", str(ref), "--n", "2"]) == 2  # the same run reading its rows from outside it
+    assert "refusing to read it" in capsys.readouterr().err
 
 
 def test_trust_run_code_imports_it(tmp_path, capsys):
@@ -304,6 +377,108 @@ def test_a_checkpoint_linked_out_of_the_run_is_refused(trained, tmp_path, capsys
     ckpt.symlink_to(tmp_path / "step_000001", target_is_directory=True)
     _contained(capsys, ["eval", "--run", str(run), "--n", "1"])
     _contained(capsys, ["export", str(run), "--out", str(tmp_path / "x")])
+
+
+def _nested_file_linked_out(ckpt: Path, victim: Path) -> None:
+    (ckpt / "extra").mkdir()
+    (ckpt / "extra" / "notes.txt").symlink_to(victim)
+
+
+def _nested_dir_linked_out(ckpt: Path, victim: Path) -> None:
+    (ckpt / "extra").symlink_to(victim.parent, target_is_directory=True)
+
+
+def _tokenizer_linked_out(ckpt: Path, victim: Path) -> None:
+    victim.write_bytes((ckpt / "tokenizer.json").read_bytes())
+    (ckpt / "tokenizer.json").unlink()
+    (ckpt / "tokenizer.json").symlink_to(victim)
+
+
+def _shard_in_a_folder_linked_out(ckpt: Path, victim: Path) -> None:
+    """The index names shards/model.safetensors, and shards/ is a link to a folder of the reader's."""
+    (victim.parent / "model.safetensors").write_bytes((ckpt / "model.safetensors").read_bytes())
+    (ckpt / "model.safetensors").unlink()
+    (ckpt / "shards").symlink_to(victim.parent, target_is_directory=True)
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"model.embed_tokens.weight": "shards/model.safetensors"}}))
+
+
+def _shard_linked_out_from_a_real_folder(ckpt: Path, victim: Path) -> None:
+    """shards/ is a real folder of the checkpoint; the shard in it is a link to a file of the reader's."""
+    (ckpt / "shards").mkdir()
+    victim.write_bytes((ckpt / "model.safetensors").read_bytes())
+    (ckpt / "model.safetensors").unlink()
+    (ckpt / "shards" / "model.safetensors").symlink_to(victim)
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"model.embed_tokens.weight": "shards/model.safetensors"}}))
+
+
+DEEP_LINKS = {"a file in a nested folder": _nested_file_linked_out, "a nested folder": _nested_dir_linked_out,
+              "the tokenizer": _tokenizer_linked_out, "a shard's folder": _shard_in_a_folder_linked_out,
+              "a shard in a real folder": _shard_linked_out_from_a_real_folder}
+
+
+@pytest.mark.parametrize("reader", ["eval", "export", "resume"])
+@pytest.mark.parametrize("case", list(DEEP_LINKS))
+def test_a_link_deep_inside_a_checkpoint_is_refused_by_every_reader(trained, tmp_path, capsys, case, reader):
+    """Before, only a checkpoint's top-level names were checked: a folder inside it (or a shard
+    the index names in one) could lead anywhere, and the libraries that load a checkpoint
+    directory open what it holds."""
+    run = _copy(trained, tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    victim = elsewhere / "the_users_file"
+    victim.write_text("the user's file\n")
+    DEEP_LINKS[case](run / "checkpoints" / "step_000001", victim)
+    before = {p.name: p.read_bytes() for p in elsewhere.iterdir()}
+    argv = {"eval": ["eval", "--run", str(run), "--n", "1"], "export": ["export", str(run), "--out", str(tmp_path / "x")],
+            "resume": ["train", "--resume", str(run), "--set", "train.steps=2"]}[reader]
+    _contained(capsys, argv)
+    assert {p.name: p.read_bytes() for p in elsewhere.iterdir()} == before and not (tmp_path / "x").exists()
+    assert not (run / "checkpoints" / "step_000002").exists()
+
+
+def test_links_that_stay_inside_a_checkpoint_still_load(trained, tmp_path):
+    """A shard in a nested folder, a folder linked to another inside the run, even a link loop: all inside, all read."""
+    from safetensors.torch import load_file, save_file
+
+    run = _copy(trained, tmp_path)
+    ckpt = run / "checkpoints" / "step_000001"
+    state = load_file(str(ckpt / "model.safetensors"))
+    (ckpt / "model.safetensors").unlink()
+    (ckpt / "shards").mkdir()
+    save_file(state, str(ckpt / "shards" / "all.safetensors"))
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {k: "shards/all.safetensors" for k in state}}))
+    (ckpt / "same").symlink_to(ckpt / "shards", target_is_directory=True)
+    (ckpt / "shards" / "loop").symlink_to(ckpt, target_is_directory=True)
+    assert main(["eval", "--run", str(run), "--n", "1"]) == 0
+
+
+def test_a_planted_temporary_checkpoint_link_is_never_written_through(trained, tmp_path, capsys):
+    """checkpoints/step_K.tmp linked to a folder of the reader's: the next checkpoint write refuses it
+    (before: recursa deleted what it led to, or wrote the checkpoint there)."""
+    run = _copy(trained, tmp_path)
+    elsewhere = _user_dir(tmp_path / "elsewhere")
+    (run / "checkpoints" / "step_000002.tmp").symlink_to(elsewhere, target_is_directory=True)
+    assert main(["train", "--resume", str(run), "--set", "train.steps=2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "points outside the checkpoints directory" in err, err
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["notes.txt"]
+
+
+def test_inside_tree_walks_every_depth_and_each_real_folder_once(tmp_path):
+    """The one check of a checkpoint's tree (also of gate incumbents and RLoop's phase weights)."""
+    from recursa.errors import UserError
+    from recursa.runio import inside_tree
+
+    root = tmp_path / "run"
+    (root / "a" / "b" / "c").mkdir(parents=True)
+    (root / "a" / "b" / "c" / "w.safetensors").write_text("x")
+    (root / "a" / "loop").symlink_to(root / "a", target_is_directory=True)
+    (root / "a" / "b" / "up").symlink_to(root, target_is_directory=True)
+    assert inside_tree(root, root / "a") == root / "a"  # loops and links within: fine, and the walk ends
+    (tmp_path / "out").mkdir()
+    (root / "a" / "b" / "c" / "d").symlink_to(tmp_path / "out" / "missing")  # a dangling link out counts too
+    with pytest.raises(UserError, match="points outside"):
+        inside_tree(root, root / "a")
 
 
 # ----------------------------------------------------------------------------- --overwrite deletes only what recursa wrote

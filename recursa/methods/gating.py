@@ -40,6 +40,7 @@ from recursa.evaluate import EvalResult, evaluate
 from recursa.gate import GateConfig, binary_gate, fresh_gate_seeds
 from recursa.lineage import Lineage
 from recursa.models import Policy, restore_weights
+from recursa.runio import inside_tree
 from recursa.stats import paired_compare
 from recursa.skills.sanitize import sanitize
 from recursa.store import RunStore, load_optimizer, write_weights
@@ -93,7 +94,7 @@ class WeightsGate:
         rejection leaves `policy` and `optimizer` at the incumbent's state."""
         gc = self.cfg.gate
         incumbent = self.lineage.incumbent("weights")
-        inc_dir = self.store.path / incumbent.payload["dir"]
+        inc_dir = inside_tree(self.store.path, self.store.path / incumbent.payload["dir"])  # the ledger's dir, and every file of it, inside the run (issue 49)
         if not (inc_dir / "optimizer.pt").exists():
             raise UserError(f"the incumbent's weights {inc_dir} are missing: the run directory was pruned; start the run again")
         t = len(self.lineage.candidates("weights"))  # the root plus t - 1 earlier rounds

@@ -47,6 +47,7 @@ from recursa.distributed.ddp import SINGLE, DataParallel, SingleProcess
 from recursa.errors import UserError
 from recursa.models import Policy, restore_weights
 from recursa.recipes.rft import Attempt, completion_attempts, episode_attempts, finetune, keep_solutions, row_from_record, row_record
+from recursa.runio import inside_tree
 from recursa.store import RunStore, finished_checkpoints, write_weights
 from recursa.methods.base import Method, StepEnd
 from recursa.trajectory import Episode, Trajectory
@@ -175,7 +176,7 @@ class RLoop:
         source = reset_source(phase, rc.reset)
         rows = [row_from_record(r, self.cfg.env.name) for d in self.buffer for r in d["rows"]]
         if source is not None:
-            restore_weights(policy, self.phase_dir(source))
+            restore_weights(policy, inside_tree(self.store.path, self.phase_dir(source)))  # no file of the phase's weights leads out of the run (issue 49)
         optimizer.state.clear()  # the fine-tune starts with fresh moments (those of RL belong to other weights)
         first = opt_step
         loss = float("nan")
