@@ -183,7 +183,32 @@ HOUSEHOLD_SEARCH = {  # the light warm start's 32 games, demonstrated by searchi
     "warm_start": "runs/household_sft_search",
     "warm_start_cmd": "recursa train examples/household_sft_search.toml",
 }
+ARITH2 = {  # issue 44: two-digit a + b and a - b (arithmetic difficulty 1) from the embedded model itself, the
+    # testbed where the entry probe (benchmarks/teacher_knows.py) found that the teacher knows better: the reference
+    # answer in its context adds 1.77 nats/token to the correct reply, and 87 of 100 items have no correct attempt in 8
+    "env": "arithmetic",
+    "slug": "arith2",
+    "warm_start": None,  # the embedded model's own weights, as the probe ran
+    "warm_start_cmd": None,
+    "sets": [
+        "model.name=smollm2-135m-instruct",
+        'env.name="arithmetic"',
+        "env.kwargs={difficulty = 1}",
+        "sampling.temperature=1.0",
+        "sampling.max_new_tokens=16",
+        "train.prompts_per_step=8",  # the demo's budget: 16 steps x 8 prompts x 8 samples, lr 2e-5
+        "train.group_size=8",
+        "train.micro_batch_size=32",
+        "train.lr=2e-5",
+        "run.threads=2",
+    ],
+    "rsipo": RL_BUDGET["rsipo"],
+    "steps": 16,
+    "eval_n": 200,
+    "eval_every": 8,
+}
 GAMES = {
+    "arith2": ARITH2,
     "twx:twc": TWX_TWC,
     "household": HOUSEHOLD,
     "household_light": HOUSEHOLD_LIGHT,
