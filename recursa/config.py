@@ -124,7 +124,8 @@ class ModelConfig(_Section):
 class EnvConfig(_Section):
     name: str = Field(
         "arithmetic",
-        description="task spec: a built-in ('arithmetic', 'household', 'rg:<reasoning-gym dataset>', 'twx:<game>', 'textworld:<generator>'), "
+        description="task spec: a built-in ('arithmetic', 'household', 'search', 'rg:<reasoning-gym dataset>', 'twx:<game>', 'textworld:<generator>'), "
+        "an env of another ecosystem ('gym:<id>', 'ta:<TextArena game>', 'vf:<verifiers taskset module>', 'openenv:<server URL or pkg.module:Class>'), "
         "your own factory 'pkg.module:make_env' (returns an object following recursa's Env or AgentEnv protocol), an agent harness "
         "written against the OpenAI client 'harness:pkg.module:fn' (needs agent.episode = 'chat'; docs/serve.md), or a name an installed "
         "package registers under the `recursa.envs` entry-point group (see `recursa envs`)",
