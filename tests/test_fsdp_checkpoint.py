@@ -3,7 +3,9 @@ writes its shard through `torch.distributed.checkpoint`, a resume reads each ran
 and `recursa export` consolidates the shards into one Hugging Face directory.
 
 The runs are two gloo processes under torchrun on the tiny random model, two steps. The resumed run
-is checked against the uninterrupted one at the tolerance tests/test_fsdp.py holds a resume to."""
+is checked against the uninterrupted one at the tolerance tests/test_fsdp.py holds a resume to; to
+show the resume reads the shards and not rank 0's gathered files, those files (model.safetensors and
+the moments in optimizer.pt) are overwritten with wrong values before resuming."""
 
 from __future__ import annotations
 
@@ -36,12 +38,21 @@ def _train(steps: int, out, *extra: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """An uninterrupted 2-step run, and a run stopped after step 1 and resumed to step 2 (from rank 0's
-    files: the per-rank resume from the shards is switched off while it hangs, recursa/recipes/common.py)."""
+    """An uninterrupted 2-step run, and a run stopped after step 1 whose gathered files were then
+    spoiled, resumed to step 2."""
+    from safetensors.torch import load_file, save_file
+
     tmp = tmp_path_factory.mktemp("fsdp_dcp")
     whole, part = tmp / "whole", tmp / "part"
     _train(2, whole)
     _train(1, part)
+    ckpt = part / "checkpoints" / "step_000001"
+    weights = load_file(ckpt / "model.safetensors")
+    save_file({k: v + 1.0 for k, v in weights.items()}, ckpt / "model.safetensors", metadata={"format": "pt"})
+    optim = torch.load(ckpt / "optimizer.pt", weights_only=True)
+    for state in optim["state"].values():
+        state["exp_avg"].fill_(3.0)
+    torch.save(optim, ckpt / "optimizer.pt")
     resumed = _train(2, part, "--resume", str(part))
     return whole, part, resumed
 
@@ -60,10 +71,11 @@ def test_every_rank_writes_its_shard_and_the_resume_reads_them_back(runs):
             dcp = run / "checkpoints" / f"step_{step:06d}" / "dcp"
             assert sorted(p.name for p in dcp.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"], (run.name, step)
     assert not list((part / "checkpoints").glob("*.tmp"))
+    assert "read its own shard" in resumed.stdout
     a, b = (r / "checkpoints" / "step_000002" for r in (whole, part))
     wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
     assert wa.keys() == wb.keys()
-    for k in wa:
+    for k in wa:  # rank 0's spoiled files were not what the resume trained from
         torch.testing.assert_close(wb[k], wa[k], rtol=1e-6, atol=1e-8)
     ma, mb = _moments(a), _moments(b)
     assert len(ma) == len(mb) > 0

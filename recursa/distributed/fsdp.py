@@ -31,8 +31,8 @@ number of micro-batches (a rank may run none):
 
 Checkpoints: besides rank 0's Hugging Face files, every rank writes its shard of the weights and
 of AdamW's state through `torch.distributed.checkpoint` (`save_shards`, rank 0's plain state first
-scattered into the shards). `load_shards` (each rank reads its own shard back, the next update
-starting from the shards) is written but not called yet: it hung in its first test (issue 47).
+scattered into the shards), and a resume reads each rank's own shard back (`load_shards`), the
+next update starting from the shards rather than from rank 0's copy (recursa.distributed.checkpoint).
 
 What this is not yet: a learner whose parameters stay sharded through the forward (ZeRO-3 style:
 here each rank all-gathers the whole model once per optimizer step and holds it until the step),
