@@ -91,18 +91,13 @@ def run_checkpoint(run_dir: Path, checkpoint: str = "last") -> Path:
 def _readable(ckpt: Path, done: list[Path]) -> Path:
     """`ckpt` when its weights files read back whole; else a UserError naming the damage and
     the other checkpoints to choose from."""
-    from recursa.distributed.checkpoint import DCP_DIR, has_shards, shards_problem
     from recursa.store import _safetensors_problem
 
-    others = [int(c.name[5:]) for c in done if c != ckpt]
     for w in sorted(ckpt.glob("*.safetensors")):
         problem = _safetensors_problem(w)
         if problem:
+            others = [int(c.name[5:]) for c in done if c != ckpt]
             raise UserError(f"checkpoint {ckpt} is corrupt ({w.name}: {problem}): pick another with --checkpoint (steps {others})")
-    if has_shards(ckpt):
-        problem = shards_problem(ckpt / DCP_DIR)
-        if problem:
-            raise UserError(f"checkpoint {ckpt} is corrupt ({problem}): pick another with --checkpoint (steps {others})")
     return ckpt
 
 
@@ -116,14 +111,11 @@ def run_base_dir(cfg) -> Path | None:
     return init_weights_dir(cfg)
 
 
-def load_run_policy(run_dir: Path, checkpoint: str = "last", device: str = "cpu", interpolate: float | None = None, consolidate: bool = False):
+def load_run_policy(run_dir: Path, checkpoint: str = "last", device: str = "cpu", interpolate: float | None = None):
     """(config, checkpoint dir, policy) of a run's checkpoint, loaded on `device`; with
     `interpolate` = alpha, the weights theta_0 + alpha (theta - theta_0) toward the run's
-    warm start theta_0 (see the module doc), as a full-weight policy (LoRA merged). With
-    `consolidate`, a checkpoint of the FSDP2 learner takes its weights from its DCP shards
-    (`recursa.distributed.checkpoint.load_into_plain`), the training copy's own state."""
+    warm start theta_0 (see the module doc), as a full-weight policy (LoRA merged)."""
     from recursa.config import load_config
-    from recursa.distributed.checkpoint import DCP_DIR, has_shards, load_into_plain
     from recursa.models import load_policy
 
     if interpolate is not None:
@@ -132,8 +124,6 @@ def load_run_policy(run_dir: Path, checkpoint: str = "last", device: str = "cpu"
     cfg = load_config(Path(run_dir) / "config.toml", check=False)
     model_cfg = cfg.model.model_copy(update={"device": device})
     policy = load_policy(model_cfg, weights_dir=ckpt, base_dir=run_base_dir(cfg))
-    if consolidate and not policy.is_lora and has_shards(ckpt):
-        load_into_plain(ckpt / DCP_DIR, policy.causal_lm)  # the FSDP2 learner's DCP shards, consolidated in this process
     if interpolate is None:
         return cfg, ckpt, policy
     return cfg, ckpt, interpolated_policy(policy, warm_start_policy(cfg, device), interpolate)
@@ -198,7 +188,7 @@ def export_run(run_dir: Path, out: Path, checkpoint: str = "last", dtype: str = 
         raise UserError(f"--dtype {dtype!r}: choose one of {list(DTYPES)}")
     run_checkpoint(run_dir, checkpoint)  # a run with that checkpoint, before the target is judged
     check_export_target(run_dir, out, overwrite)
-    cfg, ckpt, policy = load_run_policy(run_dir, checkpoint, interpolate=interpolate, consolidate=True)
+    cfg, ckpt, policy = load_run_policy(run_dir, checkpoint, interpolate=interpolate)
     model = policy.model.merge_and_unload() if policy.is_lora else policy.model
     if dtype != "auto":
         model = model.to(getattr(torch, dtype))

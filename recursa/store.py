@@ -14,8 +14,6 @@ RUN_DIR/
       optimizer.pt     AdamW state (CPU tensors: loads on any device)
       rng.pt           torch RNG state (and the GPUs' when CUDA is in use), tensors only
       state.json       step, optimizer steps, a recipe's own state
-      dcp/             learner.backend = "fsdp": every rank's shard of the weights and AdamW state
-                       (torch.distributed.checkpoint; recursa/distributed/checkpoint.py)
   incumbents/step_000008/    gated runs: accepted weights (the same HF layout) + optimizer.pt
   ledger.sqlite        evaluations and checkpoints (the source of truth for what was kept)
   tb/, wandb/, mlflow.db live trackers' files (log.report_to; recursa/tracking.py)
@@ -31,9 +29,9 @@ run's logs equal an uninterrupted run's.
 Checkpoints written before they were Hugging Face directories (a bare model.safetensors
 with the same parameter names, no config or tokenizer files) still load, resume and export:
 the model's architecture and tokenizer always come from the run's `model.name`.
-Everything a checkpoint holds is read without unpickling code (safetensors, JSON,
-`torch.load(weights_only=True)` for the optimizer and RNG state, and an allow-list for DCP's
-metadata pickle), so opening someone else's run directory cannot run their code.
+Everything a checkpoint holds is read without unpickling code (safetensors, JSON, and
+`torch.load(weights_only=True)` for the optimizer and RNG state), so opening someone
+else's run directory cannot run their code.
 
 Crash safety (docs/reliability.md): a process writing a run holds its lock
 (`recursa.runio.RunLock`); every file is written atomically or appended with one synced
@@ -53,7 +51,6 @@ import shutil
 import sqlite3
 import time
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -179,13 +176,9 @@ class RunStore:
         """Write checkpoints/step_K whole (or not at all), then its ledger row. On a full
         disk the partial temporary directory is removed, the earlier checkpoints stay, and
         the error says so."""
-        from recursa.distributed import ddp
-
         final = self.checkpoint_dir(step)
-        sharded = getattr(ddp.active(), "save_shards", None)  # the FSDP2 learner: every rank also writes its shard (DCP)
-        shards = (lambda directory: sharded(directory, policy, optimizer)) if sharded is not None else None
         try:
-            write_weights(final, policy, optimizer, {"step": step, **state}, point="checkpoint", shards=shards)
+            write_weights(final, policy, optimizer, {"step": step, **state}, point="checkpoint")
         except Exception as exc:  # noqa: BLE001 -- a full disk surfaces as OSError, RuntimeError (torch) or SafetensorError
             from recursa.runio import user_error_of
 
@@ -359,12 +352,10 @@ def _fsync_tree(directory: Path) -> None:
     fsync_dir(directory)
 
 
-def write_weights(final: Path, policy, optimizer: torch.optim.Optimizer, state: dict | None = None, point: str | None = None,
-                  shards: Callable[[Path], None] | None = None) -> Path:
+def write_weights(final: Path, policy, optimizer: torch.optim.Optimizer, state: dict | None = None, point: str | None = None) -> Path:
     """The policy as a Hugging Face model directory (`models.save_weights`), its optimizer
-    state (and, with `state`, the RNG state and state.json; with `shards`, the FSDP2 learner's
-    DCP shards that every rank writes into the `dcp/` folder it is given) written to `final`
-    through a temporary directory that is synced and renamed: the directory is either complete or
+    state (and, with `state`, the RNG state and state.json) written to `final` through a
+    temporary directory that is synced and renamed: the directory is either complete or
     absent. Replacing an existing `final` renames it to `final.old-PID` first and removes
     it last; `RunStore.reconcile` restores it if a kill falls between the two renames.
     A failure (a full disk) removes the temporary directory and leaves `final` as it was."""
@@ -380,10 +371,6 @@ def write_weights(final: Path, policy, optimizer: torch.optim.Optimizer, state: 
     try:
         save_weights(policy, tmp)
         torch.save(_to_cpu(optimizer.state_dict()), tmp / "optimizer.pt")
-        if shards is not None:
-            from recursa.distributed.checkpoint import DCP_DIR
-
-            shards(tmp / DCP_DIR)  # every rank's file lands in the temporary directory, renamed with the rest
         if state is not None:
             rng = {"torch_rng": torch.get_rng_state()}
             if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -434,12 +421,6 @@ def checkpoint_problem(ckpt: Path) -> str | None:
         problem = _safetensors_problem(w)
         if problem:
             return f"{w.name}: {problem}"
-    from recursa.distributed.checkpoint import DCP_DIR, has_shards, shards_problem
-
-    if has_shards(ckpt):  # the FSDP2 learner's shards: metadata read with an allow-list, every byte range present
-        problem = shards_problem(ckpt / DCP_DIR)
-        if problem:
-            return problem
     for name in ("optimizer.pt", "rng.pt"):
         f = ckpt / name
         if not f.exists():

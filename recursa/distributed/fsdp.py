@@ -29,16 +29,11 @@ number of micro-batches (a rank may run none):
                     reshard, clip the global norm over the sharded gradients, AdamW on the shards,
                     gather weights and moments into rank 0's plain model and optimizer
 
-Checkpoints: besides rank 0's Hugging Face files, every rank writes its shard of the weights and
-of AdamW's state through `torch.distributed.checkpoint` (`save_shards`, rank 0's plain state first
-scattered into the shards), and a resume reads each rank's own shard back (`load_shards`), the
-next update starting from the shards rather than from rank 0's copy (recursa.distributed.checkpoint).
-
 What this is not yet: a learner whose parameters stay sharded through the forward (ZeRO-3 style:
 here each rank all-gathers the whole model once per optimizer step and holds it until the step),
-one without rank 0's gathered copy (the weights and moments are gathered to rank 0 every step, one
-all-gather of three model sizes, so the DCP shards repeat what rank 0's files hold), LoRA, or a KL
-reference that is sharded (every rank keeps a plain copy, as with `ddp`). Tested on two CPU processes over gloo
+sharded checkpoints through `torch.distributed.checkpoint` (the moments are gathered to rank 0 every
+step instead, which costs one all-gather of three model sizes per step), LoRA, or a KL reference that
+is sharded (every rank keeps a plain copy, as with `ddp`). Tested on two CPU processes over gloo
 (tests/test_fsdp.py); GPU runs: benchmarks/gpu_check.sh.
 """
 
@@ -46,7 +41,6 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -62,7 +56,6 @@ class FullyShardedDataParallel(DataParallel):
     _optim: torch.optim.Optimizer | None = field(default=None, repr=False)  # AdamW over the shards
     _stale: bool = field(default=True, repr=False)  # rank 0's plain weights and moments are ahead of the shards
     _reference_due: bool = field(default=True, repr=False)
-    _from_shards: bool = field(default=False, repr=False)  # the shards were just loaded from a DCP checkpoint: the next update keeps them
 
     # ---- building --------------------------------------------------------------------
     def hello(self, cfg, policy) -> None:
@@ -71,23 +64,12 @@ class FullyShardedDataParallel(DataParallel):
 
     def receive(self) -> tuple[str, dict]:
         kind, payload = super().receive()
-        self._announced(kind)
+        self._stale = True  # a new update or supervised step starts from rank 0's plain state
         return kind, payload
 
     def announce(self, kind: str, **payload) -> None:
         super().announce(kind, **payload)
-        self._announced(kind)
-
-    def _announced(self, kind: str) -> None:
-        """A new update or supervised step starts from rank 0's plain state (a gate rollback or a
-        warm start there reaches the shards), except the first one after a resume from the DCP
-        shards, which starts from the shards themselves; the checkpoint collectives change neither."""
-        if kind in ("save_shards", "load_shards"):
-            return
-        if self._from_shards:
-            self._from_shards = False
-        else:
-            self._stale = True
+        self._stale = True
 
     def prepare(self, cfg, policy) -> None:
         """Shard the training copy (rank 0: a copy of its plain model; a worker: its model in place)
@@ -110,7 +92,6 @@ class FullyShardedDataParallel(DataParallel):
         self._optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=tc.lr, betas=tc.betas, weight_decay=tc.weight_decay)
         self._pad = int(policy.tokenizer.pad_token_id or 0)
         self._stale = self._reference_due = True
-        self._from_shards = False
         with torch.no_grad():  # FSDP2 sets itself up at the root's first forward; the update then calls the decoder and head directly
             model(input_ids=self._probe(), use_cache=False)
         self._reshard()
@@ -141,25 +122,21 @@ class FullyShardedDataParallel(DataParallel):
     def share_weights(self, policy) -> None:
         """First call of an update: rank 0's plain weights into the shards (and, once, the KL
         reference to every rank). Every call: gather the whole parameters for the forwards."""
+        from torch.distributed.tensor import distribute_tensor
+
         if self._reference_due and policy.reference is not None:
             tensors = _unique(list(policy.reference.state_dict(keep_vars=True).values()))
             with torch.no_grad():
                 _bucketed([t.data for t in tensors], lambda flat: torch.distributed.broadcast(flat, src=0), copy_back=True)
         self._reference_due = False
         if self._stale:
-            self._scatter_weights(policy)
+            self._reshard()
+            plain = dict(policy.causal_lm.named_parameters()) if self.is_driver else {}
+            with torch.no_grad():
+                for name, p in self._train.named_parameters():
+                    full = plain[name].detach() if self.is_driver else torch.empty(p.shape, dtype=p.dtype, device=self.device)
+                    p.copy_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=0))
         self._unshard()
-
-    def _scatter_weights(self, policy) -> None:
-        """Rank 0's plain weights into every rank's shards."""
-        from torch.distributed.tensor import distribute_tensor
-
-        self._reshard()
-        plain = dict(policy.causal_lm.named_parameters()) if self.is_driver else {}
-        with torch.no_grad():
-            for name, p in self._train.named_parameters():
-                full = plain[name].detach() if self.is_driver else torch.empty(p.shape, dtype=p.dtype, device=self.device)
-                p.copy_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=0))
 
     def step(self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], max_norm: float) -> float:
         """Reduce-scatter the summed gradients, clip their global norm, AdamW on the shards, and
@@ -223,52 +200,3 @@ class FullyShardedDataParallel(DataParallel):
                     old = optimizer.state.get(target, {})
                     step = state["step"].clone().to(old["step"].device) if "step" in old else state["step"].clone()
                     optimizer.state[target] = {"step": step, **{k: v.to(target.device) for k, v in moments.items()}}
-
-    # ---- the sharded checkpoint (recursa.distributed.checkpoint) ---------------------
-    def save_shards(self, directory: Path, policy, optimizer: torch.optim.Optimizer) -> None:
-        """Every rank (rank 0 announces it): write this rank's shard of the training copy and of
-        AdamW's state to `directory` (DCP). Rank 0's plain weights and moments are scattered into
-        the shards first, since they are what the rest of the checkpoint holds and they may be
-        ahead of the shards (a gate rollback between the update and the checkpoint)."""
-        from recursa.distributed.checkpoint import save_sharded
-
-        self.announce("save_shards", path=str(directory))
-        self._sync_from_driver(policy, optimizer)
-        empty = not self._optim.state
-        save_sharded(directory, self._train, self._optim)
-        if empty:  # DCP fills an empty optimizer's state (step 1, zero moments) to describe it; the first step makes its own
-            self._optim.state.clear()
-
-    def load_shards(self, directory: Path, policy, optimizer: torch.optim.Optimizer) -> None:
-        """Every rank (rank 0 announces it): read this rank's own shard of the weights and of
-        AdamW's state (when the checkpoint has taken a step) from `directory`, then gather them
-        into rank 0's plain model and optimizer. The next update starts from the shards as
-        loaded: no rank needs rank 0 to send it its state."""
-        from recursa.distributed.checkpoint import load_sharded
-
-        has = torch.tensor([float(self.is_driver and len(optimizer.state) > 0)], device=self.device)
-        self.announce("load_shards", path=str(directory))
-        torch.distributed.broadcast(has, src=0)
-        moments = bool(has.item())
-        self._reshard()
-        load_sharded(directory, self._train, self._optim if moments else None)
-        if not moments:
-            self._optim.state.clear()
-        sharded = [p for p in self._train.parameters() if p.requires_grad]
-        plain_params = list(optimizer.param_groups[0]["params"]) if self.is_driver else []
-        if moments:
-            self._gather(optimizer, plain_params, sharded)
-        else:
-            with torch.no_grad():
-                for i, p in enumerate(sharded):
-                    full = p.full_tensor()
-                    if self.is_driver:
-                        plain_params[i].copy_(full)
-        self._stale, self._from_shards = False, True
-
-    def _sync_from_driver(self, policy, optimizer: torch.optim.Optimizer) -> None:
-        self._scatter_weights(policy)
-        sharded = [p for p in self._train.parameters() if p.requires_grad]
-        plain_params = list(optimizer.param_groups[0]["params"]) if self.is_driver else []
-        self._load_moments(optimizer, plain_params, sharded)
-        self._stale = False

@@ -6,7 +6,6 @@ sits above the recipes, beside the command line that starts it: the learner prim
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -45,9 +44,6 @@ def serve(learner: DataParallel, log: Callable[[str], None] = print) -> None:
             continue
         if policy is None:
             raise RuntimeError(f"rank {learner.rank} was sent {kind!r} before the run's hello")
-        if kind in ("save_shards", "load_shards"):  # the FSDP2 learner's sharded checkpoint (recursa.distributed.checkpoint)
-            getattr(learner, kind)(Path(payload["path"]), policy, optimizer)
-            continue
         batch = payload["batch"].to(policy.device)
         if kind == "update":
             generator = torch.Generator(device="cpu")

@@ -231,11 +231,6 @@ def _open_store(cfg, out: Path, resume: bool, log: Callable[[str], None], kl_ref
     learner = ddp.active() or SINGLE
     if isinstance(learner, DataParallel):
         learner.hello(cfg, policy)  # the workers build the same model; the first update sends them these weights
-        from recursa.distributed.checkpoint import DCP_DIR, has_shards
-
-        if ckpt is not None and hasattr(learner, "load_shards") and has_shards(ckpt):
-            learner.load_shards(ckpt / DCP_DIR, policy, optimizer)  # FSDP2: the training state from the shards, not from rank 0's files
-            log(f"FSDP2: every rank read its own shard of {ckpt.name}/{DCP_DIR} (weights and AdamW state)")
     run = OpenedRun(pool, store, policy, optimizer, multi_turn, init_dir, state, learner)
     total, trainable = count_parameters(policy.model)
     log(
