@@ -30,6 +30,7 @@ and the weight sums by far more, and every count, flag and held-out outcome stay
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import json
 import math
@@ -187,8 +188,9 @@ def record(run: Path) -> dict:
     return {"metrics": metrics, "eval": evals, "weights": weights}
 
 
+@functools.cache
 def machine() -> str:
-    """This machine's float identity as far as the records go: the CPU model and the torch build."""
+    """This machine's float identity as far as the records go: the CPU model and the torch build (read once)."""
     import platform
 
     import torch
