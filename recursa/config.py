@@ -1185,6 +1185,13 @@ class TeacherConfig(_Section):
     )
     critical_before: float = Field(0.0, ge=0, le=1, description="teacher.critical: weight of the teacher term on a failed episode's turns before its divergence turn (and after it, in mode 'at')")
     critical_unmatched: float = Field(1.0, ge=0, le=1, description="teacher.critical: weight of the teacher term on a failed episode with no winning episode of its game to compare with")
+    measure_pull: bool = Field(
+        False,
+        description="after each update, score the hinted rows' sampled action tokens again with the updated student (one more no-grad forward over "
+        "them) and log how far the update moved the student toward the teacher on those tokens: teacher/abs_gap_before, teacher/abs_gap_after "
+        "(mean |log pi_teacher - log pi_student|, the teacher fixed at the step's scoring) and teacher/toward_frac (share of tokens whose "
+        "student log-prob moved in the direction of the teacher's)",
+    )
 
 
 class TrustSettings(_Section):

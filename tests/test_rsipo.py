@@ -539,6 +539,36 @@ def test_sibling_and_reference_teachers_on_single_turn(tmp_path):
     assert 0.0 <= sib["teacher/rows_frac"] <= 1.0
 
 
+def test_pull_metrics_by_hand():
+    """Teacher -1, -2, -3, -4 (log-probs); student -2, -2, -1, -5 before and -1.5, -2, -2, -4.5
+    after: |gap| 1, 0, 2, 1 -> 1.0 before; 0.5, 0, 1, 0.5 -> 0.5 after. Token 2 has no gap;
+    tokens 1, 3, 4 moved toward the teacher (+, -, + against gaps +, -, +): 3 of 3."""
+    from recursa.methods.teacher import pull_metrics
+
+    t = torch.tensor([-1.0, -2.0, -3.0, -4.0])
+    m = pull_metrics(t, torch.tensor([-2.0, -2.0, -1.0, -5.0]), torch.tensor([-1.5, -2.0, -2.0, -4.5]))
+    assert m == pytest.approx({"teacher/abs_gap_before": 1.0, "teacher/abs_gap_after": 0.5, "teacher/toward_frac": 1.0})
+    away = pull_metrics(t, torch.tensor([-2.0, -2.0, -1.0, -5.0]), torch.tensor([-2.5, -1.0, -2.0, -5.0]))  # token 1 away, 2 no gap, 3 toward, 4 unmoved
+    assert away["teacher/toward_frac"] == pytest.approx(0.5) and away["teacher/abs_gap_after"] == pytest.approx((1.5 + 1.0 + 1.0 + 1.0) / 4)
+    empty = pull_metrics(torch.zeros(0), torch.zeros(0), torch.zeros(0))
+    assert all(v != v for v in empty.values())  # nan
+
+
+def test_measure_pull_scores_the_taught_tokens_after_the_update(tmp_path):
+    """teacher.measure_pull: before the update the gap is the raw Delta (center none), so its
+    mean |.| is teacher/delta_abs_mean. The tiny model fails every item, so the outcome
+    advantage is 0 and, with trust fixed at 1, the update follows the teacher's term alone: it
+    at lr 1e-5 (first order) it must close the gap on most tokens (at 1e-3 it overshoots: the gap grows tenfold). Off by default, the keys are absent."""
+    sets = ("env.name=arithmetic", "train.steps=1", "train.group_size=2", "teacher.source=reference", "skills.enabled=false", "trust.mode=fixed", "train.lr=1e-5")
+    on = _train_rows(rsipo.train(_cfg(*sets, "teacher.measure_pull=true"), tmp_path / "on", log=lambda *_: None))[0]
+    assert on["reward/mean"] == 0.0
+    assert on["teacher/abs_gap_before"] == pytest.approx(on["teacher/delta_abs_mean"], rel=1e-5)
+    assert on["teacher/abs_gap_after"] < on["teacher/abs_gap_before"]
+    assert on["teacher/toward_frac"] > 0.5
+    off = _train_rows(rsipo.train(_cfg(*sets), tmp_path / "off", log=lambda *_: None))[0]
+    assert "teacher/abs_gap_after" not in off and off["teacher/delta_abs_mean"] == pytest.approx(on["teacher/delta_abs_mean"])
+
+
 def test_centred_delta_reaches_the_trust_trials(tmp_path, monkeypatch):
     """teacher.center = group: the mean Delta the trust trials see sums to 0 over each group's
     hinted attempts (raw, it does not)."""

@@ -47,6 +47,32 @@ from recursa.methods.wins import WinStep
 
 
 
+def student_pairs(tok, rows: list[Trajectory], contexts: list[Context], hints: list[str | None], cfg: RSIPOConfig, system: str | None) -> list[tuple[list[int], list[int]]]:
+    """(student prompt ids, action ids) of every row with a hint, in row order: the row's own
+    prompt, or the bare message re-rendered where the policy saw a skill in context."""
+    pairs = []
+    for row, ctx, hint in zip(rows, contexts, hints):
+        if hint is None:
+            continue
+        first = row.action_mask.index(1)
+        pairs.append((row.token_ids[:first] if ctx.hint is None else render_prompt(tok, user_message(ctx, cfg.agent), system), row.token_ids[first:]))
+    return pairs
+
+
+def pull_metrics(teacher: torch.Tensor, before: torch.Tensor, after: torch.Tensor) -> dict[str, float]:
+    """How far an update moved the student toward a fixed teacher on the same tokens (1-D
+    tensors of log-probs, one entry per token): the mean |teacher - student| before and after,
+    and the share of the tokens where teacher != student before whose student log-prob moved
+    toward the teacher's (sign(after - before) == sign(teacher - before)); nan when empty."""
+    if teacher.numel() == 0:
+        return {"teacher/abs_gap_before": float("nan"), "teacher/abs_gap_after": float("nan"), "teacher/toward_frac": float("nan")}
+    gap = teacher - before
+    moved = after - before
+    live = (gap != 0) & (moved != 0)
+    toward = ((torch.sign(moved) == torch.sign(gap)) & live).sum().item() / live.sum().item() if live.any() else float("nan")
+    return {"teacher/abs_gap_before": gap.abs().mean().item(), "teacher/abs_gap_after": (teacher - after).abs().mean().item(), "teacher/toward_frac": toward}
+
+
 def teacher_logprobs(policy: Policy, rows: list[Trajectory], contexts: list[Context], hints: list[str | None], cfg: RSIPOConfig, system: str | None,
                      topk: int = 0, topk_from: str = "teacher"):
     """(teacher, student) log-probs of every row's action tokens, at the current weights, no
@@ -61,12 +87,12 @@ def teacher_logprobs(policy: Policy, rows: list[Trajectory], contexts: list[Cont
     a skill teacher with that same skill scores exactly the row's prompt)."""
     tok = policy.tokenizer
     pairs, which = [], []
-    for i, (row, ctx, hint) in enumerate(zip(rows, contexts, hints)):
+    students = student_pairs(tok, rows, contexts, hints, cfg, system)
+    for i, (ctx, hint) in enumerate(zip(contexts, hints)):
         if hint is None:
             continue
-        first = row.action_mask.index(1)
-        actions = row.token_ids[first:]
-        pairs.append((row.token_ids[:first] if ctx.hint is None else render_prompt(tok, user_message(ctx, cfg.agent), system), actions))
+        prompt, actions = students[len(which)]
+        pairs.append((prompt, actions))
         pairs.append((render_prompt(tok, user_message(ctx, cfg.agent, hint), system), actions))
         which.append(i)
     if topk and topk_from == "student":  # the student's top-k ids, then the teacher's log-probs at them
@@ -139,6 +165,7 @@ class TeacherStep:
     metrics: dict[str, float] = field(default_factory=dict)
     top_ids: torch.Tensor | None = None  # (n, L, k) teacher.mode "distribution": the hinted teacher's k most likely tokens per action position
     top_logp: torch.Tensor | None = None  # (n, L, k) their log-probs under the teacher
+    pull: tuple | None = None  # teacher.measure_pull: (student pairs, teacher log-probs, student log-probs), the log-probs (tokens,) concatenated over the pairs
 
 
 def critical_row_weights(attempts: list[Attempt], buffer: list[Attempt], cfg: RSIPOConfig) -> tuple[list[float], dict[str, float]]:
@@ -194,6 +221,12 @@ def teach(policy: Policy, played: Played, skills: SkillStep, library: SkillLibra
         top_ids = torch.zeros((*mask.shape, topk), dtype=torch.long, device=dev)
         top_logp = torch.zeros((*mask.shape, topk), device=dev)
         top_ids[mask.bool()], top_logp[mask.bool()] = torch.cat([i for i, _ in tops[0]]), torch.cat([v for _, v in tops[0]])
+    pull = None
+    if tc.measure_pull:  # the hinted rows' tokens, to score again after the update
+        hinted = [i for i, h in enumerate(row_hints) if h is not None]
+        empty = torch.zeros(0, device=dev)
+        pull = (student_pairs(policy.tokenizer, played.rows, played.row_context, row_hints, cfg, system),
+                torch.cat([teacher[i] for i in hinted]) if hinted else empty, torch.cat([student[i] for i in hinted]) if hinted else empty)
     delta = teacher_shift(logp_teacher, logp_student, mask)  # (n, L)
     has_hint = torch.tensor([h is not None for h in row_hints], device=dev)
     for sid in {g for g in groups if isinstance(g, int)}:
@@ -230,7 +263,7 @@ def teach(policy: Policy, played: Played, skills: SkillStep, library: SkillLibra
         if isinstance(g, int):  # the skill's decayed counts, as of its latest trial
             library.record_trust(g, *counts_now[g])
     metrics.update(teacher_summary(delta, mask, has_hint, mean_delta, outcome, attempt_hint, trust_rows, trust, trials))
-    return TeacherStep(delta, trust_rows, has_hint, metrics, top_ids, top_logp)
+    return TeacherStep(delta, trust_rows, has_hint, metrics, top_ids, top_logp, pull)
 
 
 # ----------------------------------------------------------------------------- advantages
@@ -379,6 +412,7 @@ class TeacherMethod(Method):
         if self.ctx.run.state:
             self.trust.load_state_dict(self.ctx.run.state["trust"])
         self.distilling = False
+        self.pull = None
 
     def shape(self, s, batch, played):
         ctx, cfg = self.ctx, self.ctx.cfg
@@ -391,13 +425,21 @@ class TeacherMethod(Method):
         extra.update(distill_metrics)
         check_finite(s.step + 1, **{"advantages (outcome x teacher scale)": batch.advantages})
         self.distilling = distillation is not None
+        self.pull = taught.pull
         metrics = {"advantage/outcome_abs": shares["outcome_abs"], "advantage/teacher_abs": shares["teacher_abs"], "teacher/share": shares["teacher_share"],
                    **taught.metrics, **extra}
         return Shaping(imitation, distillation, metrics)
 
     def after_update(self, step, played, stats) -> dict:
         # the distribution term before lam: token mean of w_t D_t, during the update
-        return {"loss/distill": stats.distill} if self.distilling else {}
+        metrics = {"loss/distill": stats.distill} if self.distilling else {}
+        if self.pull is not None:  # teacher.measure_pull: the same tokens under the updated student
+            pairs, teacher, before = self.pull
+            scores = score_actions(self.ctx.policy, pairs, self.ctx.cfg) if pairs else []
+            after = torch.cat(scores) if scores else torch.zeros(0, device=teacher.device)
+            metrics.update(pull_metrics(teacher, before, after))
+            self.pull = None
+        return metrics
 
     def state_dict(self) -> dict:
         return {"trust": self.trust.state_dict()}
