@@ -835,7 +835,7 @@ def interpolated_entries(name: str, seed: int, args, game: dict) -> list[tuple[s
 DIAGNOSTICS = ("reward/mean", "episodes/sampled", "loss/distill")
 DIAGNOSTIC_PREFIXES = ("policy/", "teacher/", "anchor/", "trust/", "skills/", "route/", "hint/", "hatch/", "rollout/", "rloop/", "rft/", "curriculum/", "branch/")
 # the summary's table shows the diagnostics that start with one of these (the result files keep all)
-REPORTED_DIAGNOSTICS = ("teacher/share", "teacher/trust", "teacher/corr", "teacher/distill", "loss/distill", "skills/effect", "trust/mean",
+REPORTED_DIAGNOSTICS = ("teacher/share", "teacher/trust", "teacher/corr", "teacher/abs_gap", "teacher/toward", "teacher/distill", "loss/distill", "skills/effect", "trust/mean",
                         "skills/admitted", "skills/replay", "route/", "hint/", "hatch/episodes_total", "hatch/wins_total", "episodes/", "reward/mean", "rollout/logprob", "anchor/nll",
                         "policy/clip_frac", "policy/approx_kl_old", "policy/entropy")
 
@@ -1194,13 +1194,13 @@ def main(argv: list[str] | None = None) -> int:
     for game in games:
         steps = args.steps or game["steps"]
         B, G = setting_value(game, "train.prompts_per_step"), setting_value(game, "train.group_size")
+        model = next(s.split("=", 1)[1] for s in game["sets"] if s.startswith("model.name="))
         result = {
             "env": game["env"],
             "game": game["slug"],
-            "warm_start": game["warm_start"] or "the tiny model's initial weights",
+            "warm_start": game["warm_start"] or f"{model}'s own weights",
             "budget": {"steps": steps, "prompts_per_step": B, "group_size": G, "episodes": steps * B * G, "eval_n": args.eval_n or game["eval_n"],
-                       "eval_every": args.eval_every or game["eval_every"], "split": args.split,
-                       "model": next(s.split("=", 1)[1] for s in game["sets"] if s.startswith("model.name="))},
+                       "eval_every": args.eval_every or game["eval_every"], "split": args.split, "model": model},
             "seeds": seeds,
             "settings": game["sets"],
             "baseline": args.baseline,
