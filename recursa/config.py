@@ -366,7 +366,8 @@ class RolloutConfig(_Section):
         description="native engine: sample with the trainer's own weights ('model'), or with a bfloat16 copy or a copy with dynamically "
         "quantised int8 linear layers (CPU), refreshed after every update; the trainer keeps its dtype and recomputes its log-probs "
         "(the difference is logged as rollout/logprob_mismatch; rollout.tis_cap corrects for it). 'auto' (the default since issue 46): "
-        "'bfloat16' for multi-turn games on the native engine in one process, else 'model'. On SmolLM2-135M int8 is 1.3 nats/token "
+        "'bfloat16' for multi-turn games on the native engine in one process on a device with hardware bfloat16 (a GPU, or a CPU with AVX512-BF16 "
+        "or AMX; on an AVX2-only CPU a bfloat16 matmul is ~50x slower than float32), else 'model'. On SmolLM2-135M int8 is 1.3 nats/token "
         "from float32 and lost the demo task (0.52 against 0.97; docs/engines.md); bfloat16 matched float32",
     )
     branch: Literal["off", "random", "last", "doubt"] = Field(
@@ -658,14 +659,18 @@ TIS_CAP_AUTO = 2.0  # rollout.tis_cap = 'auto' with a low-precision sampling cop
 
 def resolve_auto(cfg, multi_turn: bool) -> None:
     """Fix the rollout settings left at 'auto' (issue 46) for a task, in place: the fast path for
-    multi-turn games on the native engine in one process (a bfloat16 sampling copy, truncated
+    multi-turn games on the native engine in one process (a bfloat16 sampling copy where the
+    device multiplies bfloat16 in hardware, `recursa.hardware.native_bf16`, and then truncated
     importance sampling at 2.0 where the objective takes it), the exact float32 path elsewhere.
     Runs write the resolved values into their config.toml; `rollout.continuous = 'auto'` is
     read where the engine is made (`RolloutConfig.continuous_on`)."""
     r = cfg.rollout
     if r.decode_dtype == "auto":
+        from recursa.hardware import native_bf16
+
         backend = getattr(getattr(cfg, "distributed", None), "backend", "none")
-        r.decode_dtype = "bfloat16" if multi_turn and r.engine == "native" and backend != "ray" else "model"
+        fast = multi_turn and r.engine == "native" and backend != "ray"
+        r.decode_dtype = "bfloat16" if fast and native_bf16(getattr(getattr(cfg, "model", None), "device", "auto")) else "model"
     if r.tis_cap == "auto":
         train, algo = getattr(cfg, "train", None), getattr(cfg, "algo", None)
         takes_it = getattr(train, "old_logprobs", "recompute") == "recompute" and getattr(algo, "objective", "ppo") not in SEQUENCE_OBJECTIVES

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 
 from recursa.errors import UserError
+from recursa.hardware import DEVICE_ENV, default_device
 from recursa.runio import cache_dir
 
 if TYPE_CHECKING:
@@ -66,16 +67,13 @@ _TINY_CORPUS = [
 ]
 
 
-DEVICE_ENV = "RECURSA_DEVICE"
-
-
 def resolve_device(spec: str = "auto") -> torch.device:
     """`ModelConfig.device` -> a torch device with its index ('cuda' -> cuda:<current>).
 
     'auto' is $RECURSA_DEVICE when set (the test suite pins 'cpu' that way), else the GPU
     when torch sees one, else the CPU. Asking for a GPU that is not there is a user error."""
     if spec == "auto":
-        spec = os.environ.get(DEVICE_ENV) or ("cuda" if torch.cuda.is_available() else "cpu")
+        spec = default_device()
     try:
         device = torch.device(spec)
     except RuntimeError:

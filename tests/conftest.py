@@ -15,6 +15,10 @@ torch.set_num_threads(2)
 # CPU's, so it pins the CPU (RECURSA_DEVICE=cuda runs it on a GPU; tests/test_device.py runs
 # its own recipes on every device present either way).
 os.environ.setdefault("RECURSA_DEVICE", "cpu")
+# rollout.decode_dtype = "auto" picks a bfloat16 sampling copy only where the CPU multiplies
+# bfloat16 in hardware (recursa/hardware.py); the suite's recorded outputs are those of the
+# bfloat16 path, so it pins the answer (tests/test_hardware.py checks the detection itself).
+os.environ.setdefault("RECURSA_NATIVE_BF16", "1")
 
 
 @pytest.fixture(autouse=True)
