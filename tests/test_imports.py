@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "recursa"
 
 # the pure layer: math, data types and text functions; they import only each other
-PURE = {"recursa.errors", "recursa.registry", "recursa.plugins", "recursa.answers", "recursa.stats", "recursa.trajectory", "recursa.agent", "recursa.skills.sanitize", "recursa.bm25"}
+PURE = {"recursa.errors", "recursa.registry", "recursa.plugins", "recursa.answers", "recursa.stats", "recursa.trajectory", "recursa.agent", "recursa.skills.sanitize", "recursa.bm25", "recursa.hardware"}
 PURE_PACKAGES = ("recursa.algorithms",)
 # the environments know nothing of configs, models, rollouts or recipes
 ENVS_MAY_IMPORT = ("recursa.envs", "recursa.runio")
