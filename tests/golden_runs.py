@@ -44,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 os.environ.setdefault("RECURSA_DEVICE", "cpu")
+os.environ.setdefault("RECURSA_NATIVE_BF16", "1")  # as the suite pins it (tests/conftest.py): records of the bfloat16 path on every host
 
 EXAMPLES = sorted((ROOT / "examples").rglob("*.toml"))
 GOLDEN = ROOT / "tests" / "golden"
