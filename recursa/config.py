@@ -367,7 +367,7 @@ class RolloutConfig(_Section):
         "quantised int8 linear layers (CPU), refreshed after every update; the trainer keeps its dtype and recomputes its log-probs "
         "(the difference is logged as rollout/logprob_mismatch; rollout.tis_cap corrects for it). 'auto' (the default since issue 46): "
         "'bfloat16' for multi-turn games on the native engine in one process on a device with hardware bfloat16 (a GPU, or a CPU with AVX512-BF16 "
-        "or AMX; on an AVX2-only CPU a bfloat16 matmul is ~50x slower than float32), else 'model'. On SmolLM2-135M int8 is 1.3 nats/token "
+        "or AMX; on an AVX2-only CPU a bfloat16 matmul ran ~100x slower than float32), else 'model'. On SmolLM2-135M int8 is 1.3 nats/token "
         "from float32 and lost the demo task (0.52 against 0.97; docs/engines.md); bfloat16 matched float32",
     )
     branch: Literal["off", "random", "last", "doubt"] = Field(

@@ -3,8 +3,8 @@
 `native_bf16` says whether bfloat16 matrix products run in hardware on the device a run
 trains on: a CUDA GPU that supports bfloat16, or an x86 CPU with AVX512-BF16 or AMX-BF16.
 On a CPU without them (AVX2 only) torch converts every bfloat16 product to float32 and back,
-and a bfloat16 matmul ran about 50x slower than the float32 one on this project's 2-core AVX2
-machine (`docs/speed.md`), so `rollout.decode_dtype = "auto"` samples with a bfloat16 copy
+and a bfloat16 matmul ran about 100x slower than the float32 one on this project's 2-core AVX2
+machine (`docs/engines.md`), so `rollout.decode_dtype = "auto"` samples with a bfloat16 copy
 only where this returns True. `$RECURSA_NATIVE_BF16` (1 or 0) overrides the detection; the test
 suite pins it to 1 so that its recorded outputs do not depend on the host's CPU."""
 

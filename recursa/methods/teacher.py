@@ -74,7 +74,7 @@ def pull_metrics(teacher: torch.Tensor, before: torch.Tensor, after: torch.Tenso
 
 
 def teacher_logprobs(policy: Policy, rows: list[Trajectory], contexts: list[Context], hints: list[str | None], cfg: RSIPOConfig, system: str | None,
-                     topk: int = 0, topk_from: str = "teacher"):
+                     topk: int = 0, topk_from: str = "teacher", students: list[tuple[list[int], list[int]]] | None = None):
     """(teacher, student) log-probs of every row's action tokens, at the current weights, no
     gradient: log pi(a_t | context + hint) and log pi(a_t | context), zeros where the hint is
     None; with `topk = k` a third list, the teacher's k most likely tokens at each action
@@ -87,7 +87,7 @@ def teacher_logprobs(policy: Policy, rows: list[Trajectory], contexts: list[Cont
     a skill teacher with that same skill scores exactly the row's prompt)."""
     tok = policy.tokenizer
     pairs, which = [], []
-    students = student_pairs(tok, rows, contexts, hints, cfg, system)
+    students = student_pairs(tok, rows, contexts, hints, cfg, system) if students is None else students  # `student_pairs` of these rows, when the caller has them
     for i, (ctx, hint) in enumerate(zip(contexts, hints)):
         if hint is None:
             continue
@@ -213,7 +213,8 @@ def teach(policy: Policy, played: Played, skills: SkillStep, library: SkillLibra
     hints, groups = teacher_hints(attempts, cfg, library, pool, multi_turn, G)
     row_hints = [hints[a] for a in row_attempt]
     topk = tc.topk if tc.mode == "distribution" else 0
-    teacher, student, *tops = teacher_logprobs(policy, played.rows, played.row_context, row_hints, cfg, system, topk, tc.topk_from)
+    students = student_pairs(policy.tokenizer, played.rows, played.row_context, row_hints, cfg, system)
+    teacher, student, *tops = teacher_logprobs(policy, played.rows, played.row_context, row_hints, cfg, system, topk, tc.topk_from, students)
     logp_teacher, logp_student = torch.zeros_like(mask), torch.zeros_like(mask)  # (n, L), aligned on the action tokens
     logp_teacher[mask.bool()], logp_student[mask.bool()] = torch.cat(teacher), torch.cat(student)
     top_ids = top_logp = None
@@ -225,8 +226,7 @@ def teach(policy: Policy, played: Played, skills: SkillStep, library: SkillLibra
     if tc.measure_pull:  # the hinted rows' tokens, to score again after the update
         hinted = [i for i, h in enumerate(row_hints) if h is not None]
         empty = torch.zeros(0, device=dev)
-        pull = (student_pairs(policy.tokenizer, played.rows, played.row_context, row_hints, cfg, system),
-                torch.cat([teacher[i] for i in hinted]) if hinted else empty, torch.cat([student[i] for i in hinted]) if hinted else empty)
+        pull = (students, torch.cat([teacher[i] for i in hinted]) if hinted else empty, torch.cat([student[i] for i in hinted]) if hinted else empty)
     delta = teacher_shift(logp_teacher, logp_student, mask)  # (n, L)
     has_hint = torch.tensor([h is not None for h in row_hints], device=dev)
     for sid in {g for g in groups if isinstance(g, int)}:
