@@ -207,8 +207,36 @@ ARITH2 = {  # issue 44: two-digit a + b and a - b (arithmetic difficulty 1) from
     "eval_n": 200,
     "eval_every": 8,
 }
+SEARCH = {  # issue 48: the search-agent testbed, chat episodes with a BM25 search tool (docs/chat.md), from an SFT
+    # warm start on 128 oracle chats. RSIPO's teacher renders turn-mode prompts and refuses chat episodes, so only
+    # recipes that play chats are offered.
+    "env": "search",
+    "slug": "search",
+    "warm_start": "runs/search_sft",
+    "warm_start_cmd": "recursa train examples/search_sft.toml",
+    "recipes": ("warm_start", "grpo"),
+    "sets": [
+        "model.name=smollm2-135m-instruct",
+        'env.name="search"',
+        "env.kwargs={hops = 1}",
+        'agent.episode="chat"',
+        "agent.max_tool_calls=3",
+        'agent.instruction="Call the search tool, then reply with only the answer as <answer>NAME</answer>."',
+        "sampling.temperature=1.0",
+        "sampling.max_new_tokens=48",
+        "train.prompts_per_step=4",
+        "train.group_size=8",
+        "train.micro_batch_size=16",
+        "train.lr=2e-5",
+        "run.threads=2",
+    ],
+    "steps": 8,  # 256 episodes: a chat row holds the tool's articles, about 300 tokens, so an update costs ~3x a game's
+    "eval_n": 100,
+    "eval_every": 4,
+}
 GAMES = {
     "arith2": ARITH2,
+    "search": SEARCH,
     "twx:twc": TWX_TWC,
     "household": HOUSEHOLD,
     "household_light": HOUSEHOLD_LIGHT,
@@ -1175,6 +1203,10 @@ def main(argv: list[str] | None = None) -> int:
             games.append(GAMES[g])
     names = list(dict.fromkeys(["warm_start", "grpo", "rsipo", *ABLATIONS] if args.recipes == "all" else [r.strip() for r in args.recipes.split(",") if r.strip()]))
     for name in names:
+        for game in games:
+            if "recipes" in game and name not in game["recipes"]:
+                print(f"error: {game['slug']} offers only {', '.join(game['recipes'])} (its episodes are chats; docs/chat.md), not {name!r}", file=sys.stderr)
+                return 2
         recipe_spec(name, games[0])  # fail fast on an unknown name
     seeds = [int(s) for s in args.seeds.split(",")]
     if args.set and not args.tag:

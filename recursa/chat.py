@@ -358,15 +358,17 @@ def _play(tokenizer, ep: _Live, sample, agent: AgentConfig) -> list[dict]:
 # ---------------------------------------------------------------------------- demonstrations
 
 
-def oracle_transcript(env, seed: int, tokenizer, agent: AgentConfig, system_prompt: str | None = None) -> list[dict]:
+def oracle_chat(env, seed: int, tokenizer, agent: AgentConfig, system_prompt: str | None = None) -> tuple[list[dict], bool]:
     """The chat an oracle plays on `env`'s item `seed`, as the messages chat mode shows the
-    policy: the system text (with the tools where the template does not render them), the
-    first user message, one assistant tool call per query of `env.oracle_queries()` with the
-    tool's real result, and the walkthrough's answer. Tool calls are written in the form the
-    template's family reads (a JSON list in one block where the template does not render
-    tools, the embedded SmolLM2's; one object per block otherwise). For a prefix-preserving
-    template, SFT on this transcript (`recursa.demos.transcript_row`, data.source = "jsonl")
-    trains on the very tokens a chat episode with these replies would hold."""
+    policy, and whether it won: the system text (with the tools where the template does not
+    render them), the first user message, one assistant tool call per query of the env's
+    `oracle_queries()` (when it has them) with the tool's real result, then the walkthrough's
+    actions, each followed by the next observation as chat mode words it, until the game ends.
+    Tool calls are written in the form the template's family reads (a JSON list in one block
+    where the template does not render tools, the embedded SmolLM2's; one object per block
+    otherwise). For a prefix-preserving template, SFT on these messages
+    (`recursa.demos.transcript_row`) trains on the very tokens a chat episode with these replies
+    would hold."""
     import json as _json
 
     obs = env.reset(seed)
@@ -376,10 +378,26 @@ def oracle_transcript(env, seed: int, tokenizer, agent: AgentConfig, system_prom
     system = system_prompt_of(env) or system_prompt
     admissible = env.admissible_actions() if hasattr(env, "admissible_actions") else None
     messages = chat.head(system) + [{"role": "user", "content": render_turn(getattr(env, "task", ""), obs, admissible, [], agent)}]
-    for query in env.oracle_queries():
+    queries = env.oracle_queries() if callable(getattr(env, "oracle_queries", None)) else []
+    if queries and "search" not in by_name:
+        raise UserError(f"{env.name}'s oracle_queries() are searches, but it has no 'search' tool")
+    for query in queries:
         call = {"name": "search", "arguments": {"query": query}}
         body = _json.dumps(call) if chat.renders_tools else _json.dumps([call])
         messages.append({"role": "assistant", "content": f"<tool_call>{body}</tool_call>"})
         messages.append({"role": "tool", "name": "search", "content": str(by_name["search"].fn(query=query))})
-    messages.append({"role": "assistant", "content": env.walkthrough()[0]})
-    return chat.adapt(messages)
+    won = False
+    for action in env.walkthrough() or []:
+        messages.append({"role": "assistant", "content": action})
+        result = env.step(action)
+        if result.done:
+            won = _outcome(env, result.info)[0]
+            break
+        admissible = result.info.get("admissible", admissible)
+        messages.append({"role": "user", "content": observation_message(result.obs, admissible, agent)})
+    return chat.adapt(messages), won
+
+
+def oracle_transcript(env, seed: int, tokenizer, agent: AgentConfig, system_prompt: str | None = None) -> list[dict]:
+    """The messages of `oracle_chat` (won or not)."""
+    return oracle_chat(env, seed, tokenizer, agent, system_prompt)[0]

@@ -15,6 +15,10 @@ A demonstration is a `Trajectory` (the same row type the RL recipes train on) wh
   form RSIPO's hatch.hint = 'win' re-rolls with). The hint is another game's plan, never
   the game's own, so the rows teach the policy to carry a similar game's procedure over,
   not to copy; a game with no alike other game (no shared word) gets no hinted copy.
+  With agent.episode = 'chat' a game gives one row instead, its oracle chat (the env's
+  oracle searches as tool calls with their real results, where it has them, then the
+  walkthrough's actions with the observations between them, `recursa.chat.oracle_chat`),
+  every reply a target: the tokens a chat episode with those replies holds.
   With data.walkthrough = 'search' the play demonstrated is the env's search_walkthrough()
   (household): it looks in one receptacle after another until it sees the object, so a
   turn's right action depends on what its observation shows, not only on the task line.
@@ -185,6 +189,28 @@ def walkthrough_demos(envs: EnvPool | Env, seeds: list[int], tokenizer, system_p
     return out
 
 
+def chat_walkthrough_demos(envs: EnvPool | Env, seeds: list[int], tokenizer, system_prompt: str | None, agent: AgentConfig) -> DemoSet:
+    """Chat episodes (agent.episode = 'chat'): one row per seed, the oracle's chat
+    (`recursa.chat.oracle_chat`: its tool calls where the env has `oracle_queries()`, then the
+    walkthrough's actions with the observations between them) with every assistant message a
+    target, kept when it wins. The row holds the tokens a chat episode with these replies holds."""
+    from recursa.chat import oracle_chat
+
+    require_train_seeds(seeds, "walkthrough demonstrations")
+    env = envs if not isinstance(envs, EnvPool) else envs.take(1)[0]
+    if not is_agent_env(env):
+        raise UserError(f"{env.name} is a single-turn task: use data.source = 'reference' or 'jsonl'")
+    out = DemoSet([], "walkthrough")
+    for seed in seeds:
+        messages, won = oracle_chat(env, seed, tokenizer, agent, system_prompt)
+        if not won:
+            out.dropped["walkthrough does not win" if any(m["role"] == "assistant" for m in messages) else "no walkthrough"] += 1
+            continue
+        out.rows.append(transcript_row(messages, tokenizer, None, seed, env.name))
+        out.items += 1
+    return out
+
+
 def reference_demos(envs: EnvPool | Env, seeds: list[int], tokenizer, system_prompt: str | None) -> DemoSet:
     """One row per seed: the env's reference reply, kept when it scores a success."""
     require_train_seeds(seeds, "reference demonstrations")
@@ -295,6 +321,10 @@ def build_demos(cfg, envs: EnvPool, tokenizer) -> DemoSet:
     if dc.walkthrough != "shortest" and source != "walkthrough":
         raise UserError(f"data.walkthrough = {dc.walkthrough!r} picks a game's demonstrated play, and {env.name} is a single-turn task: drop it")
     seeds = split_seeds("train", dc.n, dc.start)
+    if source == "walkthrough" and cfg.agent.episode == "chat":
+        if dc.win_hints > 0 or dc.walkthrough != "shortest":
+            raise UserError("data.win_hints and data.walkthrough = 'search' write turn-mode rows; with agent.episode = 'chat' drop them")
+        return chat_walkthrough_demos(envs, seeds, tokenizer, system_prompt, cfg.agent)
     if source == "walkthrough":
         return walkthrough_demos(envs, seeds, tokenizer, system_prompt, cfg.agent, dc.win_hints, dc.hint_chars, dc.walkthrough == "search")
     return reference_demos(envs, seeds, tokenizer, system_prompt)

@@ -130,3 +130,15 @@ def test_the_household_light_curriculum_example_is_the_pilot():
     assert cfg.init.from_run == bench.HOUSEHOLD_LIGHT["warm_start"] and cfg.curriculum.mode == "progress"
     assert sorted(t for a in cfg.curriculum.arms for t in a.kwargs["tasks"]) == sorted(cfg.env.kwargs["tasks"])
     assert (cfg.train.steps, cfg.eval.n, cfg.eval.split) == (8, 50, "gate")
+
+
+def test_the_search_warm_start_plays_the_chats_the_benchmark_plays(capsys):
+    """examples/search_sft.toml demonstrates in the SEARCH game's chat format (env, agent,
+    reply length); the game offers only the recipes that play chats, in one line otherwise."""
+    bench = _bench()
+    warm = load_config(ROOT / "examples" / "search_sft.toml")
+    _holds(warm, [s for s in bench.SEARCH["sets"] if s.startswith(("env.", "agent.", "model.", "sampling.max_new_tokens"))])
+    assert warm.data.source == "walkthrough" and warm.eval.split == "gate" and f"runs/{warm.run.out.split('/')[-1]}" == bench.SEARCH["warm_start"]
+    assert bench.SEARCH["warm_start_cmd"] == "recursa train examples/search_sft.toml"
+    assert bench.main(["--games", "search", "--recipes", "grpo,rsipo", "--seeds", "0"]) == 2
+    assert "search offers only warm_start, grpo" in capsys.readouterr().err

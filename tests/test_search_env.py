@@ -121,3 +121,70 @@ def test_an_oracle_transcript_is_the_tokens_of_the_oracle_chat(family):
     assert episode.won and row.token_ids[: len(last.token_ids)] == last.token_ids
     targets = [t for t, m in zip(row.token_ids, row.action_mask) if m]
     assert targets == [t for turn in episode.turns for t in turn.action_ids]
+
+
+@pytest.mark.parametrize("family", ["tiny-chatml", "smollm2"])
+def test_a_chat_walkthrough_of_a_game_is_the_tokens_of_its_chat_episode(family):
+    """data.source = 'walkthrough' with agent.episode = 'chat' on a multi-turn game: one row per
+    game, the oracle's actions with the observations between them, whose tokens are those of a
+    chat episode that plays the same replies and whose targets are exactly its replies."""
+    from recursa.demos import chat_walkthrough_demos
+    from recursa.models import tiny_tokenizer
+    from test_chat import _embedded_tokenizer
+
+    tok = _embedded_tokenizer() if family == "smollm2" else tiny_tokenizer()
+    agent = AgentConfig(episode="chat")
+    kwargs = {"rooms": 1, "objects_per_room": 2, "distractors": 0, "tasks": "heat_then_place", "max_steps": 12}
+    seed = 3
+    demos = chat_walkthrough_demos(make_env("household", **kwargs), [seed], tok, None, agent)
+    (row,) = demos.rows
+    env = make_env("household", **kwargs)
+    env.reset(seed)
+    actions = env.walkthrough()
+    assert len(actions) > 2 and demos.items == 1 and not demos.dropped
+    (episode,), _, _ = chat_episodes(tok, None, [make_env("household", **kwargs)], [seed], 1, SamplingParams(max_new_tokens=64), None, None,
+                                     agent, [None], Scripted(tok, actions))
+    assert episode.won and [t.action for t in episode.turns] == actions
+    last = episode.rows()[-1]
+    assert row.token_ids[: len(last.token_ids)] == last.token_ids  # (the template may close with a newline, never a target)
+    assert not any(row.action_mask[len(last.token_ids):]) and len(row.token_ids) - len(last.token_ids) <= 1
+    targets = [t for t, m in zip(row.token_ids, row.action_mask) if m]
+    assert targets == [t for turn in episode.turns for t in turn.action_ids]
+
+
+def test_a_chat_walkthrough_that_does_not_win_is_dropped_and_turn_mode_options_are_refused(tmp_path):
+    from recursa.config import load_config
+    from recursa.demos import chat_walkthrough_demos
+    from recursa.errors import UserError
+    from recursa.models import tiny_tokenizer
+    from recursa.recipes.sft import train
+
+    class Lost(SearchEnv):
+        def walkthrough(self):
+            return ["<answer>Nowhere</answer>"]
+
+    demos = chat_walkthrough_demos(Lost(hops=1), [0, 1], tiny_tokenizer(), None, AgentConfig(episode="chat"))
+    assert demos.rows == [] and demos.dropped == {"walkthrough does not win": 2}
+    base = ["recipe=sft", "model.name=tiny-random", "env.name=search", "env.kwargs.hops=1", "agent.episode=chat", "data.n=2", "train.epochs=1",
+            "train.batch_size=2", "eval.before=false", "eval.n=1"]
+    with pytest.raises(UserError, match="write turn-mode rows; with agent.episode = 'chat' drop them"):
+        train(load_config(None, [*base, "data.win_hints=0.5"], recipe="sft"), tmp_path / "hinted", log=lambda *_: None)
+
+
+def test_sft_in_chat_mode_from_the_oracle_then_grpo_from_it(tmp_path):
+    """The search testbed's warm start in one command (examples/search_sft.toml's shape): SFT
+    on the oracle's chats of training questions, then GRPO in chat mode from that run."""
+    from recursa.config import load_config
+    from recursa.recipes import grpo, sft
+
+    sets = ["model.name=tiny-random", "env.name=search", "env.kwargs.hops=1", "agent.episode=chat", "agent.max_tool_calls=2",
+            "sampling.max_new_tokens=12", "eval.n=2", "eval.batch_size=2"]
+    warm = sft.train(load_config(None, [*sets, "recipe=sft", "data.n=4", "train.epochs=2", "train.batch_size=2", "train.micro_batch_size=2",
+                                        "train.lr=1e-3", "eval.before=false"], recipe="sft"), tmp_path / "sft", log=lambda *_: None)
+    demos = json.loads((warm / "demos.json").read_text())
+    assert demos["source"] == "walkthrough" and demos["rows"] == 4 and demos["items"] == 4 and demos["seeds"] == [0, 1, 2, 3]
+    losses = [json.loads(line)["sft/loss"] for line in (warm / "metrics.jsonl").read_text().splitlines() if "sft/loss" in line]
+    assert len(losses) == 4 and losses[-1] < losses[0]  # lr 1e-3 on the same four chats: the loss falls
+    run = grpo.train(load_config(None, [*sets, f"init.from_run={warm}", "train.steps=1", "train.prompts_per_step=2", "train.group_size=2"]),
+                     tmp_path / "grpo", log=lambda *_: None)
+    assert json.loads((run / "eval" / "after.json").read_text())["n"] == 2
