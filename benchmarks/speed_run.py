@@ -54,6 +54,25 @@ def matmul_gflops() -> float:
     return vs_trl.matmul_gflops()["best_gflops"]
 
 
+def bf16_host() -> dict:
+    """What decides the new defaults' sampling dtype on this host: whether recursa counts its
+    bfloat16 as native (`recursa.hardware.native_bf16`, which picks rollout.decode_dtype = "auto"),
+    and the measured bf16 and fp32 matmul rates (`limits.matmul_rate`, 1024^3, 2 threads). An arm
+    run on a host whose bf16 is fast is not comparable with one run where it is emulated."""
+    import limits
+    import torch
+
+    from recursa.hardware import native_bf16
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        return {"native_bf16": native_bf16("cpu"), "bf16_gflops": limits.matmul_rate(1024, torch.bfloat16),
+                "fp32_gflops_1024": limits.matmul_rate(1024, torch.float32)}
+    finally:
+        torch.set_num_threads(threads)
+
+
 def old_tree(commit: str) -> Path:
     """A worktree of `commit` under /tmp whose runs/ is this checkout's (the warm start and run directories)."""
     path = Path(f"/tmp/recursa_old_{commit}")
@@ -121,26 +140,36 @@ def table(out: Path) -> dict | None:
         "n_games": len(games), "paired": cmp,
         "stages": {a: arms[a]["meta"].get("stages") for a in arms},
         "matmul_gflops": {a: arms[a]["meta"].get("matmul_gflops") for a in arms},
+        "host": {a: arms[a]["meta"].get("host") for a in arms},
         "commits": {a: arms[a]["meta"].get("commit") for a in arms},
         "order": [a for a, _ in sorted(((a, arms[a]["meta"].get("started", 0)) for a in arms), key=lambda x: x[1])],
     }
     (out / "speed_run.json").write_text(json.dumps(summary, indent=1) + "\n")
     lines = ["# Whole-run speed: new defaults against old (household_light, 256 episodes)", "",
              "`python benchmarks/speed_run.py` (arms in the order " + ", ".join(summary["order"]) + ")", "",
-             "| arm | code | wall | rollout s/step (median) | update s/step (median) | evaluations s | held-out success | matmul GFLOP/s before / after |",
-             "|---|---|---:|---:|---:|---:|---:|---|"]
+             "| arm | code | wall | rollout s/step (median) | update s/step (median) | evaluations s | held-out success | matmul GFLOP/s before / after | bf16 / fp32 GFLOP/s (1024), native bf16 |",
+             "|---|---|---:|---:|---:|---:|---:|---|---|"]
     for a in ("old", "new"):
         st, mm = summary["stages"][a] or {}, summary["matmul_gflops"][a] or {}
         fmt = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
         lines.append(f"| {a} | {summary['commits'][a]} | {summary['wall_s'][a] / 60:.1f} min | {fmt(st.get('rollout_s_median'))} | "
                      f"{fmt(st.get('update_s_median'))} | {fmt(st.get('eval_s_total'))} | {summary['success'][a]:.2f} | "
-                     f"{fmt(mm.get('before'))} / {fmt(mm.get('after'))} |")
+                     f"{fmt(mm.get('before'))} / {fmt(mm.get('after'))} | {host_cell(summary['host'][a])} |")
+    hosts = {a: (summary["host"][a] or {}).get("native_bf16") for a in arms}
+    if None not in hosts.values() and len(set(hosts.values())) > 1:
+        lines += ["", "**The arms ran on hosts of different bfloat16 support: the ratio compares hosts, not code.**"]
     lo, hi = cmp["diff_ci95"]
     lines += ["", f"Wall-time ratio old / new: **{summary['ratio_old_over_new']:.2f}x**.",
               f"Held-out success on the same {len(games)} games: new - old = {cmp['diff']:+.3f} [{lo:+.3f}, {hi:+.3f}] (Newcombe 95%), "
               f"{cmp['b']} games only the new arm won, {cmp['c']} only the old; exact McNemar p = {cmp['p_two_sided']:.3g} (two-sided)."]
     (out / "speed_run.md").write_text("\n".join(lines) + "\n")
     return summary
+
+
+def host_cell(host: dict | None) -> str:
+    if not host:
+        return "- (not probed)"
+    return f"{host['bf16_gflops']:.1f} / {host['fp32_gflops_1024']:.0f}, {'yes' if host['native_bf16'] else 'no'}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             dest.mkdir(parents=True, exist_ok=True)
             meta = {"arm": arm, "commit": commit + ("" if arm == "old" else " (+ working tree)" if subprocess.run(
                 ["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True, text=True).stdout.strip() else ""),
-                    "started": time.time(), "matmul_gflops": {"before": matmul_gflops()}}
+                    "started": time.time(), "matmul_gflops": {"before": matmul_gflops()}, "host": bf16_host()}
             print(f"{arm}: code {meta['commit']}, matmul {meta['matmul_gflops']['before']:.0f} GFLOP/s", flush=True)
             env = {**os.environ, "PYTHONPATH": str(tree)}
             runs = (Path(args.out) / "runs") if args.tiny else REPO / "runs" / "speed_run" / arm  # run directories never under results/

@@ -512,3 +512,29 @@ def test_limits_reports_each_stage_against_its_bound(tmp_path):
         assert math.isclose(u["flops_6n"], 6 * sh["params"] * u["tokens"])
     md = (tmp_path / "limits.md").read_text()
     assert md.startswith("# Each stage against its bound") and "--model tiny-random" in md and md.count("| decode |") == 4
+
+
+def test_speed_run_table_flags_arms_on_hosts_of_different_bf16(tmp_path):
+    """benchmarks/speed_run.py's table from two arms' files: the ratio, the paired test on the
+    same games, each arm's bf16 probe, and a warning when one arm's host had native bfloat16 and
+    the other's did not (rollout.decode_dtype = "auto" then picks different paths)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("speed_run", REPO / "benchmarks" / "speed_run.py")
+    sr = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sr)
+    host = sr.bf16_host()
+    assert set(host) == {"native_bf16", "bf16_gflops", "fp32_gflops_1024"} and host["bf16_gflops"] > 0
+    wins = {"old": [True, False, True, False], "new": [True, True, True, False]}
+    for arm, wall, native in (("old", 600.0, False), ("new", 200.0, True)):
+        d = tmp_path / arm
+        (d / "household_light").mkdir(parents=True)
+        items = [{"seed": g, "success": w} for g, w in enumerate(wins[arm])]
+        (d / "household_light" / f"grpo{sr.TAG}_seed0.json").write_text(json.dumps({"wall_s": wall, "run_dir": str(tmp_path), "heldout": {"items": items, "success_rate": sum(wins[arm]) / 4}}))
+        (d / "arm.json").write_text(json.dumps({"commit": arm, "started": wall, "matmul_gflops": {"before": 80, "after": 81},
+                                                "host": {"native_bf16": native, "bf16_gflops": 200.0 if native else 0.8, "fp32_gflops_1024": 83.0}}))
+    summary = sr.table(tmp_path)
+    assert summary["ratio_old_over_new"] == 3.0 and summary["paired"]["b"] == 1 and summary["paired"]["c"] == 0
+    text = (tmp_path / "speed_run.md").read_text()
+    assert "| 0.8 / 83, no |" in text and "| 200.0 / 83, yes |" in text
+    assert "compares hosts, not code" in text
