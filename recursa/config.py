@@ -1388,7 +1388,8 @@ class DataConfig(DatasetConfig):
 
     source: Literal["auto", "walkthrough", "reference", "jsonl", "parquet", "hf"] = Field(
         "auto",
-        description="walkthrough: a game's oracle play; reference: a single-turn task's reference answer; jsonl: with data.prompt_key, rows of "
+        description="walkthrough: a game's oracle play (with agent.episode = 'chat', its oracle chat: tool calls and actions, one row per item); "
+        "reference: a single-turn task's reference answer; jsonl: with data.prompt_key, rows of "
         "a JSONL dataset (their answer_key column is the demonstration), without it chat transcripts in data.path; parquet, hf: rows of a "
         "dataset as for the RL recipes; auto: walkthrough for games, reference otherwise",
     )
